@@ -1,0 +1,77 @@
+"""Lesson 01: vanilla data parallelism. After backward, all-reduce every gradient.
+
+Every rank holds the whole model and the whole optimizer, runs forward and backward on its own
+slice of the global batch, and then averages the gradients across ranks, one blocking
+all-reduce per parameter. After that every rank holds the gradient of the global batch and
+takes the same optimizer step, so the replicas never drift apart.
+
+    python 01_vanilla_dp.py                                  # one process (world size 1)
+    torchrun --nproc_per_node=2 01_vanilla_dp.py             # 2 ranks on CPU (gloo)
+    torchrun --nproc_per_node=4 01_vanilla_dp.py --device cuda   # 4 GPUs (nccl)
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+             --rdzv-endpoint=HOST:29500 01_vanilla_dp.py    # 2 nodes, run on each
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import common
+import measure
+
+
+# ----------------------------------------------------------------------------- the strategy
+class VanillaDP(nn.Module):
+    """Replicate `module`; `all_reduce_gradients()` after backward averages every gradient."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        # Ranks may start from different random weights: make rank 0's the truth.
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor, src=0)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def all_reduce_gradients(self):
+        # Each rank's loss is the mean over its own rows; the global loss is the mean of those
+        # means, so the global gradient is the SUM of the ranks' gradients divided by N.
+        # (gloo has no AVG; dividing first, as DDP does, keeps the sum from overflowing in bf16.)
+        # model.parameters() yields a tied parameter once, so it is reduced once.
+        for p in self.module.parameters():
+            if p.grad is None:  # frozen, or unused in this forward on every rank
+                continue
+            p.grad.div_(self.world_size)
+            dist.all_reduce(p.grad)  # blocking: communication starts only after backward ends
+
+
+# ----------------------------------------------------------------------------- training
+def main(argv=None):
+    args = common.parse_args(argv, description=__doc__)
+    env = common.init_distributed(args)
+    model = VanillaDP(common.build_model(args, env))
+    optimizer = common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
+    run = measure.Run(args, env, "vanilla_dp", model.module, optimizer, holders=[model])
+
+    ### TRAINING SECTION BEGIN
+    for step in range(args.steps):
+        with run.step(step) as losses:
+            for micro in range(args.grad_accum):
+                x, y = common.get_batch(args, env, step, micro)
+                loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
+                loss.backward()
+                losses.append(loss)
+            model.all_reduce_gradients()  # once per optimizer step, after the last micro-step
+            optimizer.step()
+            optimizer.zero_grad()
+    ### TRAINING SECTION END
+
+    run.finish()
+    return run
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,135 @@
+"""Gradient buckets, shared by 03 (all-reduce), 05 and 06 (reduce-scatter).
+
+One collective per gradient pays the per-call latency once per parameter (a GPT has dozens of
+small ones). A bucket packs many gradients into one flat buffer, so one collective moves them
+all, and it can start as soon as its last gradient is ready, while backward goes on computing
+the gradients of earlier layers: communication overlaps computation.
+
+`Bucket` is the flat buffer and its layout. `BucketManager` assigns parameters to buckets,
+tracks which gradients are ready, and launches the collective of each full bucket; *which*
+collective is its user's choice (`launch`), so 03 all-reduces and 05 reduce-scatters.
+"""
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+
+class Bucket:
+    """Parameters laid out back to back in one flat buffer, padded to a multiple of `pad_to`.
+
+    Padding makes the buffer split evenly into `pad_to` shards (a reduce-scatter needs equal
+    chunks); it stays zero.
+    """
+
+    def __init__(self, index: int, params: list, pad_to: int = 1):
+        self.index = index
+        self.params = params
+        self.offsets = {}  # param -> (start, numel) in the flat buffer
+        start = 0
+        for p in params:
+            self.offsets[p] = (start, p.numel())
+            start += p.numel()
+        self.numel = start
+        self.numel_padded = math.ceil(start / pad_to) * pad_to
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.buffer: Optional[torch.Tensor] = None  # (numel_padded,), allocated by its user
+        self.pending = set(params)  # gradients not yet ready in this backward
+
+    def allocate(self):
+        self.buffer = torch.zeros(self.numel_padded, dtype=self.dtype, device=self.device)
+        return self.buffer
+
+    def view(self, p, flat=None):
+        """`p`'s slice of the bucket's buffer (or of any flat tensor with the same layout)."""
+        start, numel = self.offsets[p]
+        flat = self.buffer if flat is None else flat
+        return flat[start:start + numel].view_as(p)
+
+    def nbytes(self):
+        return self.numel_padded * self.params[0].element_size()
+
+
+class BucketManager:
+    """Assign `params` to buckets and launch one collective per bucket, in a fixed order.
+
+    params          the parameters whose gradients are bucketed (frozen ones are skipped)
+    bucket_cap_mb   a bucket is closed before it would exceed this many MiB of gradients
+    launch          launch(bucket) -> async work handle: the collective, chosen by the user
+    grads_as_views  True (03): each `p.grad` IS a view of its bucket's buffer, allocated once,
+                    so autograd accumulates straight into the buffer, no copies.
+                    False (05, 06): the buffer exists only while the bucket is in flight;
+                    `ready(p)` copies p.grad into it and drops p.grad.
+    pad_to          pad every bucket to a multiple of this (the world size for reduce-scatter)
+    on_done         on_done(bucket) after its collective finished (e.g. keep my shard, free)
+    """
+
+    def __init__(self, params, bucket_cap_mb: float, launch: Callable, grads_as_views=True,
+                 pad_to: int = 1, on_done: Optional[Callable] = None):
+        unique = list({id(p): p for p in params if p.requires_grad}.values())  # tied: once
+        self.launch_fn, self.on_done, self.grads_as_views = launch, on_done, grads_as_views
+        self.buckets = []
+        cap = bucket_cap_mb * 2 ** 20
+        group, size = [], 0
+        # Reverse registration order: backward produces the last layers' gradients first, so
+        # the first bucket fills first and its collective starts earliest.
+        for p in reversed(unique):
+            nbytes = p.numel() * p.element_size()  # the gradient's real element size
+            if group and size + nbytes > cap:
+                self.buckets.append(Bucket(len(self.buckets), group, pad_to))
+                group, size = [], 0
+            group.append(p)
+            size += nbytes
+        if group:
+            self.buckets.append(Bucket(len(self.buckets), group, pad_to))
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        if grads_as_views:
+            for b in self.buckets:
+                b.allocate()
+                for p in b.params:
+                    p.grad = b.view(p)  # from now on autograd accumulates into the bucket
+        self.in_flight = []  # (bucket, work) in launch order
+        self.next_to_launch = 0
+
+    @torch.no_grad()
+    def ready(self, p: nn.Parameter):
+        """Call when p's gradient for this backward is complete (from its post-accumulate hook)."""
+        bucket = self.bucket_of[p]
+        if not self.grads_as_views:
+            if bucket.buffer is None:
+                bucket.allocate()
+            bucket.view(p).copy_(p.grad)
+            p.grad = None  # the bucket holds it now; the full gradient is not kept
+        bucket.pending.discard(p)
+        # Launch every full bucket in index order, never out of it: collectives are matched
+        # by call order across ranks, so all ranks must launch bucket 0, then 1, ...
+        while self.next_to_launch < len(self.buckets) and not self.buckets[self.next_to_launch].pending:
+            self._launch(self.buckets[self.next_to_launch])
+
+    def _launch(self, bucket):
+        self.in_flight.append((bucket, self.launch_fn(bucket)))
+        self.next_to_launch += 1
+
+    @torch.no_grad()
+    def finish(self):
+        """Launch what has not been launched (a parameter that got no gradient leaves its bucket
+        short of full: it goes with zeros for that gradient, so no rank waits forever), then
+        wait for every collective, in order. Afterwards the manager is ready for the next step."""
+        while self.next_to_launch < len(self.buckets):
+            bucket = self.buckets[self.next_to_launch]
+            if bucket.buffer is None:
+                bucket.allocate()
+            self._launch(bucket)
+        for bucket, work in self.in_flight:
+            if work is not None:
+                work.wait()
+            if self.on_done is not None:
+                self.on_done(bucket)
+        self.in_flight, self.next_to_launch = [], 0
+        for b in self.buckets:
+            b.pending = set(b.params)
+
+    def unready(self):
+        """Parameters whose gradient did not arrive in this backward (before finish())."""
+        return [p for b in self.buckets for p in b.pending]

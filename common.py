@@ -1,0 +1,252 @@
+"""Everything a lesson needs that is not its algorithm: flags, process-group set-up, data,
+the optimizer used by 01-03, and a clean exit.
+
+Nothing here calls a collective on the lessons' behalf; the lessons do that on the page.
+"""
+import argparse
+import functools
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from model import GPT, GPTConfig
+
+# The lessons call the collectives by their torch 2.13 names (all_gather_single,
+# reduce_scatter_single); other libraries still call the older names, which warn on every call.
+warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
+
+
+# ----------------------------------------------------------------------------- flags
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line from rank 0, not a usage block from every rank
+        fail(message)
+
+
+def build_parser(description=""):
+    p = _Parser(description=description, allow_abbrev=False)
+    # run length and data
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and data")
+    p.add_argument("--global-batch", type=int, default=16,
+                   help="sequences per optimizer step, across all ranks and micro-steps")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=64)
+    # model
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    # optimisation
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 turns it off")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    # communication
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap (03, 05, 06)")
+    p.add_argument("--prefetch", type=int, choices=[0, 1], default=1, help="06: prefetch next unit")
+    # run-time
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a lost rank fails the run")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--measure-step", type=int, default=2,
+                   help="the step whose communication and memory are measured")
+    p.add_argument("--report", metavar="PATH", default=None, help="write a JSON report (rank 0)")
+    return p
+
+
+def parse_args(argv=None, description=""):
+    args = build_parser(description).parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    positive = ["steps", "global_batch", "grad_accum", "seq_len", "vocab_size", "n_layer",
+                "d_model", "n_head", "log_every"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.global_batch % (world * args.grad_accum):
+        fail(f"--global-batch {args.global_batch} must be divisible by world size {world} "
+             f"x --grad-accum {args.grad_accum}")
+    if args.d_model % args.n_head:
+        fail(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
+    if args.lr <= 0 or args.bucket_mb <= 0 or args.grad_clip < 0 or args.timeout <= 0:
+        fail("--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for, but no CUDA GPU is available (use --device cpu)")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        fail(f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks on this node but only "
+             f"{torch.cuda.device_count()} GPUs: one GPU per rank")
+    args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
+    return args
+
+
+def fail(message, code=2):
+    """A clear one-line error from rank 0 and a non-zero exit from every rank."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    exit_process(code)
+
+
+# ----------------------------------------------------------------------------- processes
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+
+def init_distributed(args) -> Dist:
+    """Join the process group: torchrun's environment if present, else a group of one.
+
+    gloo on CPU, nccl on CUDA (one GPU per rank). The timeout makes a lost rank fail the others
+    instead of hanging them.
+    """
+    device = torch.device(args.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=args.timeout)
+    if dist.is_initialized():  # a test harness made the group already
+        pass
+    elif "RANK" in os.environ:  # launched by torchrun
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:  # plain `python 0N_x.py`: the same code path with a world of one
+        if device.type == "cuda":
+            torch.cuda.set_device(0)
+            device = torch.device("cuda", 0)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return Dist(dist.get_rank(), dist.get_world_size(), device, backend)
+
+
+def exit_process(code=0):
+    """Leave without running interpreter teardown.
+
+    On CPU with gloo about 4% of runs abort at interpreter exit ("terminate called without an
+    active exception") after training finished; ending with os._exit after flushing avoids it.
+    """
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer already gone: nothing left to tear down politely
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_main(main):
+    """Run a lesson's main(): a clean one-line error for expected failures, then a clean exit."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        exit_process(130)
+    except Exception as e:  # e.g. a peer lost, a timeout: one line per rank, not a traceback
+        if os.environ.get("DP_DEBUG"):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"error (rank {os.environ.get('RANK', '0')}): {type(e).__name__}: {first}"
+              " (DP_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
+        exit_process(1)
+    exit_process(0)
+
+
+# ----------------------------------------------------------------------------- model and data
+def model_config(args) -> GPTConfig:
+    return GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
+                     d_model=args.d_model, n_head=args.n_head)
+
+
+def working_dtype(args):
+    return torch.bfloat16 if args.precision == "bf16" else torch.float32
+
+
+def build_model(args, env: Dist) -> GPT:
+    """The GPT on this rank's device, in the working precision, identical on every rank."""
+    return GPT(model_config(args), seed=args.seed).to(env.device, working_dtype(args))
+
+
+def n_params(module) -> int:
+    """Psi: unique parameters (the tied embedding/head counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+@functools.lru_cache(maxsize=4)
+def _successors(seed, vocab_size, k=4):
+    """The data's rule: each token is followed by one of k fixed successors, equally likely."""
+    g = torch.Generator().manual_seed(seed + 12345)
+    return torch.stack([torch.randperm(vocab_size, generator=g)[:k] for _ in range(vocab_size)])
+
+
+def global_batch(seed, step, batch, seq_len, vocab_size):
+    """The whole global batch of step `step`: (batch, seq_len + 1) tokens, the same on every
+    rank and at every world size. The best possible loss is ln(4), the entropy of the rule."""
+    succ = _successors(seed, vocab_size)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(vocab_size, (batch,), generator=g)
+    choice = torch.randint(succ.shape[1], (batch, seq_len), generator=g)
+    for t in range(seq_len):
+        tokens[:, t + 1] = succ[tokens[:, t], choice[:, t]]
+    return tokens
+
+
+def get_batch(args, env: Dist, step, micro):
+    """Rank r of N takes rows r*B/N .. (r+1)*B/N of the global batch, split into micro-steps."""
+    tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
+    per_rank = args.global_batch // env.world_size
+    per_micro = per_rank // args.grad_accum
+    start = env.rank * per_rank + micro * per_micro
+    rows = tokens[start:start + per_micro].to(env.device)
+    return rows[:, :-1], rows[:, 1:]
+
+
+# ----------------------------------------------------------------------------- optimizer (01-03)
+def adamw_kwargs(args):
+    # weight_decay=0: a parameter that gets no gradient then gets no update whether its gradient
+    # is None (single process) or zeros (a bucket or a flat shard), so every lesson can match.
+    return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+
+class MixedPrecisionAdamW:
+    """AdamW with global-norm clipping and, for bf16 parameters, fp32 master weights.
+
+    Used replicated by 01-03 (every rank holds all of it). fp32: AdamW runs on the parameters
+    themselves. bf16: AdamW runs on fp32 copies; after the step they are rounded into the bf16
+    parameters. Moments are fp32 either way: 12 bytes per parameter in bf16 mode, as in ZeRO.
+    """
+
+    def __init__(self, params, grad_clip=0.0, **adamw_kwargs):
+        self.params = [p for p in params if p.requires_grad]
+        self.grad_clip = grad_clip
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        self.master = [p.detach().float().clone() for p in self.params] if self.mixed else self.params
+        self.optim = torch.optim.AdamW(self.master, **adamw_kwargs)
+
+    @torch.no_grad()
+    def step(self):
+        if self.mixed:
+            for p, m in zip(self.params, self.master):
+                m.grad = None if p.grad is None else p.grad.float()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.master, self.grad_clip, foreach=True)
+        self.optim.step()
+        if self.mixed:
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+                m.grad = None
+
+    def zero_grad(self):
+        for p in self.params:  # in place: bucket views (03) must stay views
+            if p.grad is not None:
+                p.grad.zero_()

@@ -1,0 +1,129 @@
+"""Test plumbing: load a lesson by file name, run a function on N spawned ranks (gloo, CPU,
+a free port), and train the single-process reference every lesson is held to."""
+import importlib.util
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_lesson(name):
+    """Import `03_buckets.py` (a name that is not a valid module name) as a module."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _worker(rank, world, port, fn, args, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        result = fn(*args)
+        torch.save({"ok": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report it to the parent, whatever it was
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # see common.exit_process: avoids gloo's rare abort at interpreter exit
+
+
+def spawn(world, fn, *args, timeout=300):
+    """Run fn(*args) on `world` ranks inside an initialised gloo group; return each rank's
+    result. fn must be a module-level function (it is pickled by name)."""
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_worker, args=(r, world, store.port, fn, args, out_dir))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if hung:
+            raise TimeoutError(f"ranks {hung} of {world} still running after {timeout}s")
+        results = []
+        errors = []
+        for r in range(world):
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: exited {procs[r].exitcode} without a result")
+                continue
+            out = torch.load(path, weights_only=False)
+            if "error" in out:
+                errors.append(f"rank {r}:\n{out['error']}")
+            else:
+                results.append(out["ok"])
+        if errors:
+            # When one rank fails the others often only see "connection closed": show them all.
+            raise RuntimeError("\n".join(errors))
+        return results
+
+
+def run_lesson(lesson, argv):
+    """In a spawned rank: run a lesson's main() with these flags; return what tests compare."""
+    run = load_lesson(lesson).main(argv)
+    model = run.model
+    full = getattr(run, "full_parameters", None)
+    params = full() if full else {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return {"losses": run.losses, "params": params, "report": run.final_report}
+
+
+# ----------------------------------------------------------------------------- the reference
+def reference(argv, steps=None):
+    """Single-process training on the whole global batch (no accumulation, no distribution):
+    what every lesson must reproduce. Uses the same flags, model, data and optimizer."""
+    import common
+    args = common.parse_args(argv)
+    device = torch.device("cpu")
+    model = common.GPT(common.model_config(args), seed=args.seed).to(device, common.working_dtype(args))
+    opt = common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
+    losses = []
+    for step in range(steps or args.steps):
+        tokens = common.global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses,
+            "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+
+
+def gpt_train(lesson, argv):
+    """In a spawned rank: train the GPT of `argv` through the tests' adapter (tests/lessons.py),
+    e.g. PyTorch's DDP on exactly the configuration a lesson's main() runs."""
+    import common
+    from lessons import build
+    args = common.parse_args(argv)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = common.Dist(rank, world, torch.device("cpu"), "gloo")
+    model = common.build_model(args, env)
+    trainer = build(lesson, model, grad_clip=args.grad_clip, lr=args.lr, bucket_mb=args.bucket_mb)
+    losses = []
+    for step in range(args.steps):
+        batches = [common.get_batch(args, env, step, m) for m in range(args.grad_accum)]
+        loss = torch.tensor(trainer.train_step(batches))
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return {"losses": losses, "params": trainer.full_parameters()}

@@ -1,0 +1,72 @@
+"""Lesson 01 against single-process training and PyTorch's DistributedDataParallel."""
+import functools
+
+import pytest
+import torch
+
+from harness import gpt_train, reference, run_lesson, spawn
+from lessons import build
+from toy import toy_reference, toy_train
+
+ARGV = ["--steps", "6", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
+        "--global-batch", "8", "--log-every", "100"]
+# fp32 parity: the distributed runs average N per-rank means where the reference takes one mean
+# over the whole batch, so sums are formed in another order. The difference is float round-off
+# (~1e-7 relative per step) that Adam can amplify a little over 6 steps; 1e-5 is far below the
+# ~1e-2 a wrong averaging (sum instead of mean, a missed parameter) would cause.
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def suite(world):
+    """Everything lesson 01 is checked on, in one launch per world size (start-up is costly)."""
+    return {
+        "main": run_lesson("01_vanilla_dp", ARGV),
+        "accum": run_lesson("01_vanilla_dp", ARGV + ["--grad-accum", "2"]),
+        "ddp": gpt_train("ddp", ARGV),
+        "toy": toy_train(build, "01", different_init=True),
+        "toy_accum": toy_train(build, "01", grad_accum=3),
+        "toy_ddp": toy_train(build, "ddp", find_unused=True),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def results(world):
+    return spawn(world, suite, world)
+
+
+def close(a, b):
+    torch.testing.assert_close(a["losses"], b["losses"], **TOL)
+    assert a["params"].keys() == b["params"].keys()
+    for name in a["params"]:
+        torch.testing.assert_close(a["params"][name], b["params"][name], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gpt_matches_single_process_and_ddp(world):
+    ref = reference(ARGV)
+    for rank_out in results(world):
+        close(rank_out["main"], ref)
+        close(rank_out["accum"], ref)
+        close(rank_out["ddp"], ref)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_edge_cases_tied_frozen_unused_different_init_accumulation(world):
+    ref = toy_reference()
+    for rank_out in results(world):
+        close(rank_out["toy"], ref)
+        close(rank_out["toy_accum"], ref)
+        close(rank_out["toy_ddp"], ref)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_all_reduce_per_gradient_and_ring_bytes_equal_theory(world):
+    report = results(world)[0]["main"]["report"]
+    psi = report["n_params"]
+    ops = report["comm"]["ops"]
+    assert list(ops) == ["all_reduce"]
+    assert ops["all_reduce"]["bytes"] == psi * 4  # exact: every gradient once, fp32
+    # one call per parameter tensor with a gradient; the tied embedding/head counts once
+    assert ops["all_reduce"]["calls"] == len(results(world)[0]["main"]["params"])
+    assert report["comm"]["ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"]
+    assert report["comm"]["ring_bytes_per_step"] == 2 * (world - 1) / world * psi * 4

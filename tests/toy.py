@@ -1,0 +1,71 @@
+"""A toy model with every edge case of design.md, and the loop that trains it.
+
+ToyNet: an embedding tied to the output head, a frozen layer, a parameter that never gets a
+gradient, and 119 trainable elements (prime: no world size divides it).
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, BATCH, SEQ = 11, 12, 5  # 12 rows: 1, 2 and 4 ranks x 3 micro-steps divide it
+
+
+class ToyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 6)
+        self.frozen = nn.Linear(6, 7)
+        self.frozen.requires_grad_(False)
+        self.hidden = nn.Linear(7, 6)
+        self.unused = nn.Parameter(torch.randn(5))  # never used in forward: no gradient
+        self.head = nn.Linear(6, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied, as in GPT-2
+
+    def forward(self, x, y):
+        h = self.hidden(torch.tanh(self.frozen(self.emb(x))))
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def toy_batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def make_toy(seed=0):
+    torch.manual_seed(seed)
+    return ToyNet()
+
+
+def toy_train(build, lesson, steps=4, grad_accum=1, different_init=False, **kw):
+    """In a spawned rank: train ToyNet with `lesson`'s strategy; ranks may start different."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = build(lesson, make_toy(seed=rank if different_init else 0), **kw)
+    losses = []
+    for step in range(steps):
+        x, y = toy_batch(step)
+        rows = BATCH // world
+        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        micro = rows // grad_accum
+        batches = [(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]) for i in range(grad_accum)]
+        loss = torch.tensor(trainer.train_step(batches))
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return {"losses": losses, "params": trainer.full_parameters()}
+
+
+def toy_reference(steps=4, grad_clip=0.0, lr=1e-2, **_):
+    """Single process, whole batch, the same optimizer: the answer every lesson must give."""
+    import common
+    from lessons import adamw
+    model = make_toy(seed=0)
+    opt = common.MixedPrecisionAdamW(model.parameters(), grad_clip, **adamw(lr))
+    losses = []
+    for step in range(steps):
+        loss = model(*toy_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
