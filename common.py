@@ -7,6 +7,7 @@ import argparse
 import functools
 import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -88,6 +89,8 @@ def fail(message, code=2):
     """A clear one-line error from rank 0 and a non-zero exit from every rank."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:  # let rank 0 speak first: torchrun stops the other ranks as soon as one exits
+        time.sleep(2)
     exit_process(code)
 
 

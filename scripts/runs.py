@@ -1,0 +1,43 @@
+"""Launch lessons with torchrun and read their JSON reports (used by the demo, the benchmark,
+the figures and the notebooks). Not part of any lesson."""
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3"]
+
+
+def available_lessons():
+    """The lessons present in this checkout, in reading order."""
+    return [name for name in LESSONS if os.path.exists(os.path.join(ROOT, f"{name}.py"))]
+
+
+def launch(script, nproc, args=(), echo=False, report=True):
+    """Run `script` (a lesson, or any torchrun-able file) on `nproc` CPU ranks; return its
+    report (a dict) or raise with the run's output."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "report.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--standalone", os.path.join(ROOT, f"{script}.py"), *map(str, args)]
+        if report:
+            cmd += ["--report", path]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True)
+        output = proc.stdout + "".join(l + "\n" for l in proc.stderr.splitlines()
+                                       if not l.startswith(("W", "I")) or "error" in l.lower())
+        if echo:
+            print(output, end="", flush=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{output}")
+        if not report:
+            return output
+        with open(path) as f:
+            return json.load(f)
+
+
+def mib(x):
+    return x / 2 ** 20

@@ -1,0 +1,91 @@
+"""PyTorch's own counterparts of the lessons, on the same flags, data, loop and report, so the
+benchmark compares like with like.
+
+    torchrun --nproc_per_node=2 scripts/torch_reference.py --impl ddp
+    --impl ddp | zero_redundancy (DDP + ZeroRedundancyOptimizer) | fsdp2_noreshard | fsdp2
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import common  # noqa: E402
+import measure  # noqa: E402
+
+IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2")
+
+
+class _ClippedStep:
+    """optimizer.step() with the same global-norm clipping as the lessons."""
+
+    def __init__(self, optimizer, params, grad_clip):
+        self.optimizer, self.params, self.grad_clip = optimizer, params, grad_clip
+
+    def step(self):
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+
+def build(impl, model, args, env):
+    """Wrap `model` as PyTorch does it; returns (module to call, optimizer with step/zero_grad)."""
+    if impl == "ddp":
+        wrapped = DDP(model, bucket_cap_mb=args.bucket_mb)
+        return wrapped, common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
+    if impl == "zero_redundancy":
+        wrapped = DDP(model, bucket_cap_mb=args.bucket_mb)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **common.adamw_kwargs(args))
+        return wrapped, _ClippedStep(opt, list(model.parameters()), args.grad_clip)
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    reshard = impl == "fsdp2"
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), **common.adamw_kwargs(args))
+    return model, _ClippedStep(opt, list(model.parameters()), args.grad_clip)
+
+
+def main(argv=None):
+    parser = common.build_parser(__doc__)
+    parser.add_argument("--impl", choices=IMPLS, default="ddp")
+    argv = sys.argv[1:] if argv is None else argv
+    impl = parser.parse_known_args(argv)[0].impl
+    rest = [a for a in argv if a not in ("--impl", impl)]
+    args = common.parse_args(rest, description=__doc__)
+    if args.precision != "fp32":
+        common.fail("the PyTorch references run in fp32 only")
+    env = common.init_distributed(args)
+    model = common.build_model(args, env)
+    psi = common.n_params(model)
+    wrapped, optimizer = build(impl, model, args, env)
+    model.n_params = psi  # FSDP2 swaps in DTensor shards; Psi is the unsharded count
+    run = measure.Run(args, env, f"torch_{impl}", model, optimizer, holders=[wrapped])
+    for step in range(args.steps):
+        with run.step(step) as losses:
+            for micro in range(args.grad_accum):
+                x, y = common.get_batch(args, env, step, micro)
+                last = micro == args.grad_accum - 1
+                if isinstance(wrapped, DDP):
+                    wrapped.require_backward_grad_sync = last
+                elif hasattr(wrapped, "set_requires_gradient_sync"):
+                    wrapped.set_requires_gradient_sync(last)
+                loss = wrapped(x, y) / args.grad_accum
+                loss.backward()
+                losses.append(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    run.finish()
+    return run
+
+
+if __name__ == "__main__":
+    common.run_main(main)
