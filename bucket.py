@@ -63,12 +63,16 @@ class BucketManager:
                     `ready(p)` copies p.grad into it and drops p.grad.
     pad_to          pad every bucket to a multiple of this (the world size for reduce-scatter)
     on_done         on_done(bucket) after its collective finished (e.g. keep my shard, free)
+    max_in_flight   None (03): wait for every collective in finish(). k (05): before launching
+                    a bucket, wait for the oldest while k are in flight and hand it to on_done,
+                    so a bounded number of full-size buffers is ever alive during backward.
     """
 
     def __init__(self, params, bucket_cap_mb: float, launch: Callable, grads_as_views=True,
-                 pad_to: int = 1, on_done: Optional[Callable] = None):
+                 pad_to: int = 1, on_done: Optional[Callable] = None, max_in_flight: Optional[int] = None):
         unique = list({id(p): p for p in params if p.requires_grad}.values())  # tied: once
         self.launch_fn, self.on_done, self.grads_as_views = launch, on_done, grads_as_views
+        self.max_in_flight = max_in_flight
         self.buckets = []
         cap = bucket_cap_mb * 2 ** 20
         group, size = [], 0
@@ -76,7 +80,8 @@ class BucketManager:
         # the first bucket fills first and its collective starts earliest.
         for p in reversed(unique):
             nbytes = p.numel() * p.element_size()  # the gradient's real element size
-            if group and size + nbytes > cap:
+            # A flat buffer has one dtype and one device: a change of either closes the bucket.
+            if group and (size + nbytes > cap or (p.dtype, p.device) != (group[0].dtype, group[0].device)):
                 self.buckets.append(Bucket(len(self.buckets), group, pad_to))
                 group, size = [], 0
             group.append(p)
@@ -96,6 +101,10 @@ class BucketManager:
     def ready(self, p: nn.Parameter):
         """Call when p's gradient for this backward is complete (from its post-accumulate hook)."""
         bucket = self.bucket_of[p]
+        if self.grads_as_views and p.grad.data_ptr() != bucket.view(p).data_ptr():
+            # Someone set p.grad to None (zero_grad(set_to_none=True)), so autograd made a fresh
+            # tensor: the bucket would reduce stale zeros and the optimizer read an unreduced grad.
+            raise RuntimeError("p.grad is no longer a view of its bucket; zero gradients in place")
         if not self.grads_as_views:
             if bucket.buffer is None:
                 bucket.allocate()
@@ -108,8 +117,16 @@ class BucketManager:
             self._launch(self.buckets[self.next_to_launch])
 
     def _launch(self, bucket):
+        while self.max_in_flight is not None and len(self.in_flight) >= self.max_in_flight:
+            self._complete(*self.in_flight.pop(0))  # the oldest first: collectives finish in order
         self.in_flight.append((bucket, self.launch_fn(bucket)))
         self.next_to_launch += 1
+
+    def _complete(self, bucket, work):
+        if work is not None:
+            work.wait()
+        if self.on_done is not None:
+            self.on_done(bucket)
 
     @torch.no_grad()
     def finish(self):
@@ -122,10 +139,7 @@ class BucketManager:
                 bucket.allocate()
             self._launch(bucket)
         for bucket, work in self.in_flight:
-            if work is not None:
-                work.wait()
-            if self.on_done is not None:
-                self.on_done(bucket)
+            self._complete(bucket, work)
         self.in_flight, self.next_to_launch = [], 0
         for b in self.buckets:
             b.pending = set(b.params)

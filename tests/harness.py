@@ -127,3 +127,41 @@ def gpt_train(lesson, argv):
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
     return {"losses": losses, "params": trainer.full_parameters()}
+
+
+# ----------------------------------------------------------------------------- gradients
+def recording(build, grads, storages=None):
+    """Wrap a `build` (tests/lessons.py) so that each step appends to `grads` the gradients the
+    optimizer is about to use, {name: fp32 copy}, and to `storages` the set of (data_ptr, nbytes)
+    of the storages they live in. Why gradients: Adam's update m/sqrt(v) ignores a common scale
+    of the gradients, so a missing 1/N hides in the parameters and shows only here."""
+    def build_recording(lesson, module, **kw):
+        trainer = build(lesson, module, **kw)
+        step = trainer.opt.step
+
+        def record_then_step():
+            named = [(n, p.grad) for n, p in module.named_parameters() if p.grad is not None]
+            grads.append({n: g.detach().float().clone() for n, g in named})
+            if storages is not None:
+                storages.append({(g.untyped_storage().data_ptr(), g.untyped_storage().nbytes())
+                                 for _, g in named})
+            step()
+        trainer.opt.step = record_then_step
+        return trainer
+    return build_recording
+
+
+def toy_reference_grads(steps=4, lr=1e-2):
+    """The whole-batch gradient at every step of toy.toy_reference()."""
+    import common
+    from lessons import adamw
+    from toy import make_toy, toy_batch
+    model = make_toy(seed=0)
+    opt = common.MixedPrecisionAdamW(model.parameters(), 0.0, **adamw(lr))
+    grads = []
+    for step in range(steps):
+        model(*toy_batch(step)).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+    return grads

@@ -5,6 +5,8 @@ Every entry builds a trainer around a plain nn.Module whose forward(x, y) return
     trainer.full_parameters()         -> {name: full fp32 tensor}, identical on every rank
 Tests use nothing else, so a lesson (or a student's version of it) plugs in here only.
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -63,4 +65,145 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, **kw):
     if lesson == "01":
         dp = load_lesson("01_vanilla_dp").VanillaDP(module)
         return _Replicated(dp, module, grad_clip, lr, sync=lambda w: w.all_reduce_gradients())
+    if lesson == "02":
+        dp = load_lesson("02_async_allreduce").AsyncAllReduceDP(module)
+        return _Replicated(dp, module, grad_clip, lr, sync=lambda w: w.finish_gradient_synchronization())
+    if lesson == "03":
+        dp = load_lesson("03_buckets").BucketedDP(module, bucket_cap_mb=bucket_mb)
+        return _Replicated(dp, module, grad_clip, lr, sync=lambda w: w.finish_gradient_synchronization())
+    if lesson == "06":
+        z = load_lesson("06_zero3").ZeRO3(
+            module, kw.get("optimizer_class", torch.optim.AdamW), units=sharding_units(module),
+            grad_clip=grad_clip, prefetch=kw.get("prefetch", True), **kw.get("optimizer_kwargs", adamw(lr)))
+        return _FullySharded(z, step=lambda: (z.step(), z.zero_grad()), full_parameters=z.full_parameters)
+    if lesson == "fsdp2":
+        return _fsdp2(module, grad_clip, lr)
+    if lesson in ("04", "05"):  # kw optimizer_class / optimizer_kwargs: e.g. SGD, which sees gradient scale
+        opt_class, opt_kwargs = kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs", adamw(lr))
+        if lesson == "04":
+            opt = load_lesson("04_zero1").ZeRO1Optimizer(module.parameters(), opt_class, grad_clip=grad_clip,
+                                                         **opt_kwargs)
+            return _ShardedOptimizer(module, opt)
+        opt = load_lesson("05_zero2").ZeRO2Optimizer(module.parameters(), opt_class, bucket_cap_mb=bucket_mb,
+                                                     grad_clip=grad_clip, **opt_kwargs)
+        return _ShardedOptimizer(module, opt, after_backward=opt.finish_reduce_scatter)
+    if lesson == "zero_redundancy":
+        return _zero_redundancy(module, grad_clip, lr, bucket_mb, kw.get("find_unused", False))
+    if lesson == "fsdp2_noreshard":
+        return _fsdp2_noreshard(module, grad_clip, lr)
     raise KeyError(f"no adapter for lesson {lesson!r}")
+
+
+# ----------------------------------------------------------------------------- fully sharded (06, FSDP2)
+def sharding_units(module):
+    """ZeRO-3/FSDP2 units: a GPT's blocks; otherwise every child module that shares no parameter
+    with another child (a tied embedding/head stays in the root, as FSDP places it)."""
+    if hasattr(module, "blocks"):
+        return list(module.blocks)
+    holders = {}
+    for child in module.children():
+        for p in child.parameters():
+            holders[p] = holders.get(p, 0) + 1
+    return [c for c in module.children()
+            if any(True for _ in c.parameters()) and all(holders[p] == 1 for p in c.parameters())]
+
+
+class _FullySharded:
+    """06 and PyTorch's FSDP2: parameters, gradients and optimizer state all sharded."""
+
+    def __init__(self, model, step, full_parameters):
+        self.model, self.step, self.full_parameters = model, step, full_parameters
+
+    def train_step(self, micro_batches):
+        total = 0.0
+        for x, y in micro_batches:
+            loss = self.model(x, y) / len(micro_batches)
+            loss.backward()  # each micro-step reduce-scatters: no full gradient is ever kept
+            total += loss.item()
+        self.step()
+        return total
+
+
+def _fsdp2(module, grad_clip, lr):
+    """PyTorch's own ZeRO-3: fully_shard each unit, then the root, on an explicit CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for unit in sharding_units(module):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], **adamw(lr))
+
+    def step():
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], grad_clip)
+        opt.step()
+        opt.zero_grad()
+
+    def full_parameters():  # the parameters are DTensor shards
+        return {n: p.full_tensor().detach().float().clone() for n, p in module.named_parameters()}
+    return _FullySharded(module, step, full_parameters)
+
+
+# ----------------------------------------------------------------------------- sharded optimizer (04, 05)
+class _ShardedOptimizer:
+    """04, 05 and their PyTorch counterparts: the strategy is (or includes) the optimizer.
+
+    after_backward()  after every micro-step's backward (05: wait for its reduce-scatters)
+    before_step()     e.g. PyTorch's clipping, which ZeroRedundancyOptimizer does not do itself
+    sync(last)        a context per micro-step (DDP's no_sync on all but the last)
+    """
+
+    def __init__(self, model, opt, after_backward=None, before_step=None, sync=None, full_parameters=None):
+        self.model, self.opt = model, opt
+        self.after_backward = after_backward or (lambda: None)
+        self.before_step = before_step or (lambda: None)
+        self.sync = sync or (lambda last: contextlib.nullcontext())
+        self._full = full_parameters
+
+    def train_step(self, micro_batches):
+        total = 0.0
+        for i, (x, y) in enumerate(micro_batches):
+            with self.sync(i == len(micro_batches) - 1):
+                loss = self.model(x, y) / len(micro_batches)
+                loss.backward()
+            self.after_backward()
+            total += loss.item()
+        self.before_step()
+        self.opt.step()
+        self.opt.zero_grad()
+        return total
+
+    def full_parameters(self):
+        if self._full is not None:
+            return self._full()
+        module = getattr(self.model, "module", self.model)  # under DDP, the wrapped module
+        return _named_full(module)
+
+
+def _clipper(module, grad_clip):
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    return (lambda: torch.nn.utils.clip_grad_norm_(trainable, grad_clip)) if grad_clip > 0 else None
+
+
+def _zero_redundancy(module, grad_clip, lr, bucket_mb, find_unused):
+    """PyTorch's ZeRO-1: DDP all-reduces the gradients, ZeroRedundancyOptimizer shards AdamW."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_mb, find_unused_parameters=find_unused)
+    opt = ZeroRedundancyOptimizer([p for p in module.parameters() if p.requires_grad],
+                                  optimizer_class=torch.optim.AdamW, **adamw(lr))
+    return _ShardedOptimizer(ddp, opt, before_step=_clipper(module, grad_clip),  # every rank has the full gradient
+                             sync=lambda last: contextlib.nullcontext() if last else ddp.no_sync())
+
+
+def _fsdp2_noreshard(module, grad_clip, lr):
+    """PyTorch's ZeRO-2: FSDP2 keeping the parameters gathered between forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), reshard_after_forward=False)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], **adamw(lr))
+    # clip_grad_norm_ over DTensor gradient shards all-reduces the norm across ranks
+    return _ShardedOptimizer(module, opt, before_step=_clipper(module, grad_clip),
+                             full_parameters=lambda: {n: p.full_tensor().detach().float().clone()
+                                                      for n, p in module.named_parameters()})
+

@@ -1,0 +1,99 @@
+"""Lesson 02: overlap communication with backward. Each gradient's all-reduce starts, async, from
+its parameter's hook, while backward goes on computing the gradients of earlier layers.
+
+In 01 the network idles during backward and the cores idle during the all-reduces. But backward
+produces gradients last layer first, and a parameter's gradient is final as soon as autograd has
+accumulated it into `.grad`: its all-reduce can start right then. Before the optimizer step we
+wait for every one of them. Same bytes as 01, same result; only the timing changes.
+
+    python 02_async_allreduce.py                                  # one process (world size 1)
+    torchrun --nproc_per_node=2 02_async_allreduce.py             # 2 ranks on CPU (gloo)
+    torchrun --nproc_per_node=4 02_async_allreduce.py --device cuda   # 4 GPUs (nccl)
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+             --rdzv-endpoint=HOST:29500 02_async_allreduce.py    # 2 nodes, run on each
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import common
+import measure
+
+
+# ----------------------------------------------------------------------------- the strategy
+class AsyncAllReduceDP(nn.Module):
+    """Replicate `module`; every gradient's all-reduce is launched from its hook during backward,
+    and `finish_gradient_synchronization()` waits for them all before the optimizer step."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        # Ranks may start from different random weights: make rank 0's the truth.
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor, src=0)
+        # Gradient accumulation: the loop sets this False for all but the last micro-step, whose
+        # backward alone communicates. DDP's name, so loops written for DDP work unchanged.
+        self.require_backward_grad_sync = True
+        self.handles = []  # async all-reduces in flight, in launch order
+        # Which autograd event: a post-accumulate-grad hook runs after autograd has added this
+        # backward's gradient into p.grad, and it is passed the parameter, not a gradient. p.grad
+        # is then exactly what the optimizer will read: both uses of the tied embedding/head
+        # summed, and under accumulation the earlier micro-steps included. A plain
+        # p.register_hook(fn) runs one event earlier and is passed only this backward's incoming
+        # gradient, not yet in p.grad: reducing that would miss the earlier micro-steps, and
+        # autograd adds it into p.grad while the async all-reduce may still be writing it.
+        for p in module.parameters():  # a tied parameter is yielded once: one hook, one all-reduce
+            if p.requires_grad:  # frozen parameters have no gradient to average
+                p.register_post_accumulate_grad_hook(self._all_reduce_grad)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def _all_reduce_grad(self, p):
+        if not self.require_backward_grad_sync:  # a non-final micro-step: just accumulate
+            return
+        # The global gradient is the SUM of the ranks' gradients divided by N (see 01).
+        # Every rank's backward fires the hooks in the same order, so the i-th all-reduce of every
+        # rank is the same parameter's: collectives are matched by the order they are issued.
+        p.grad.div_(self.world_size)
+        self.handles.append(dist.all_reduce(p.grad, async_op=True))  # returns at once
+
+    def finish_gradient_synchronization(self):
+        for work in self.handles:  # the optimizer must not read a gradient still in flight
+            work.wait()
+        self.handles.clear()
+
+
+# ----------------------------------------------------------------------------- training
+def main(argv=None):
+    args = common.parse_args(argv, description=__doc__)
+    env = common.init_distributed(args)
+    model = AsyncAllReduceDP(common.build_model(args, env))
+    optimizer = common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
+    run = measure.Run(args, env, "async_allreduce", model.module, optimizer, holders=[model])
+
+    ### TRAINING SECTION BEGIN
+    for step in range(args.steps):
+        with run.step(step) as losses:
+            for micro in range(args.grad_accum):
+                x, y = common.get_batch(args, env, step, micro)
+                # Only the last micro-step's hooks launch (nanoGPT toggles this flag the same way
+                # rather than wrap the other micro-steps in DDP's `no_sync()`).
+                model.require_backward_grad_sync = micro == args.grad_accum - 1
+                loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
+                loss.backward()  # the hooks launch the all-reduces while backward runs
+                losses.append(loss)
+            model.finish_gradient_synchronization()  # wait for every all-reduce
+            optimizer.step()
+            optimizer.zero_grad()
+    ### TRAINING SECTION END
+
+    run.finish()
+    return run
+
+
+if __name__ == "__main__":
+    common.run_main(main)

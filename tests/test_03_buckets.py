@@ -1,0 +1,215 @@
+"""Lesson 03 against single-process training and PyTorch's DistributedDataParallel, at bucket
+caps that make one bucket, two, and one per parameter tensor."""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import common
+from harness import gpt_train, recording, reference, run_lesson, spawn, toy_reference_grads
+from lessons import build
+from measure import CommMeter
+from model import GPT
+from toy import make_toy, toy_reference, toy_train
+
+LESSON = "03_buckets"
+ARGV = ["--steps", "6", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
+        "--global-batch", "8", "--log-every", "100"]
+BF16 = ARGV + ["--precision", "bf16"]
+# fp32 parity: the ranks average N per-rank means where the reference takes one mean over the
+# whole batch: float round-off (~1e-7 relative per step) that Adam can amplify a little over 6
+# steps; 1e-5 is far below the ~1e-2 a wrong averaging (a bucket not reduced, a gradient
+# outside its bucket, an unreduced micro-step) would cause.
+TOL = dict(rtol=1e-5, atol=1e-5)
+# Gradients, compared before Adam sees them (harness.recording says why): the same round-off
+# argument as TOL; a wrong scale (a missing 1/N) is off by 50% or more.
+GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
+# bf16 parity with the reference, as in test_02_async: bf16's 8-bit significand (2^-9 relative
+# per rounding) and a different rounding order make gradient elements differ by a few ulps; Adam
+# steps about lr per element whatever the gradient's size, so parameters may drift up to about
+# 2 x lr x steps = 0.036 (measured 0.014), bf16 values near 1 are 2^-7 apart, and losses were
+# measured within 2e-4 (2e-3 allowed: 10x margin).
+BF16_LOSS_TOL = dict(rtol=0, atol=2e-3)
+BF16_PARAM_TOL = dict(rtol=2 ** -7, atol=2 * 3e-3 * 6)
+MIB = 2 ** 20
+
+# ----------------------------------------------------------------------------- bucket caps
+# The GPT of ARGV: Psi parameters in N_TENSORS tensors, the largest of LARGEST elements.
+_gpt = GPT(common.model_config(common.parse_args(ARGV)), seed=None)
+N_TENSORS = len({id(p) for p in _gpt.parameters()})  # the tied embedding/head once
+PSI, LARGEST = common.n_params(_gpt), max(p.numel() for p in _gpt.parameters())
+assert PSI / 2 > LARGEST  # so the model does not fit in a cap of Psi/2 + LARGEST elements
+# Two buckets: bucket 0 is closed only when the next gradient would overflow the cap, so it
+# holds more than cap - LARGEST = Psi/2 elements; the rest, fewer than Psi/2, fit in bucket 1.
+# One byte: every tensor is bigger than the cap, so each gets a bucket of its own.
+GPT_CAPS = {1: 25.0, 2: (PSI // 2 + LARGEST) * 4 / MIB, N_TENSORS: 1 / MIB}  # buckets: cap (MiB)
+# The toy, in bucket order (reverse registration; a module's own parameter `unused` registers
+# before its children's): hidden.bias, hidden.weight, emb.weight (tied to the head), unused.
+# A cap of exactly hidden's elements fills bucket 0 to the byte; the embedding, bigger than the
+# cap, gets bucket 1 to itself; `unused` (never gets a gradient) is alone in bucket 2, which is
+# never full during backward: finish() must send it, as zeros.
+_toy = make_toy()
+_trainable = [p for p in {id(p): p for p in _toy.parameters()}.values() if p.requires_grad]
+TOY_ELEMS = sum(p.numel() for p in _trainable)
+TOY_HIDDEN = sum(p.numel() for p in _toy.hidden.parameters())
+assert _toy.emb.weight.numel() > TOY_HIDDEN
+TOY_CAPS = {1: 25.0, 3: TOY_HIDDEN * 4 / MIB, len(_trainable): 1 / MIB}  # buckets: cap (MiB)
+
+
+# ----------------------------------------------------------------------------- in the ranks
+def metered(train, *args, **kw):
+    """Run a training function with every collective counted from outside (measure.CommMeter).
+    Cheaper than main()'s report, which also samples memory after every operation."""
+    meter = CommMeter(dist.get_world_size())
+    with meter.measuring():
+        out = train(*args, **kw)
+    return {**out, "all_reduce": meter.ops["all_reduce"]}
+
+
+def toy_run(cap_mb, **kw):
+    """Train the toy with this cap, recording the gradients the optimizer is given."""
+    grads, storages = [], []
+    out = metered(toy_train, recording(build, grads, storages), "03", bucket_mb=cap_mb, **kw)
+    return {**out, "grads": grads, "storages": storages}
+
+
+def gpt_run(argv, cap_mb):
+    return metered(gpt_train, "03", argv + ["--bucket-mb", repr(cap_mb)])
+
+
+def suite(world):
+    """Everything lesson 03 is checked on, in one launch per world size (start-up is costly)."""
+    out = {
+        "main": run_lesson(LESSON, ARGV),  # the default 25 MiB: one bucket
+        "accum": run_lesson(LESSON, ARGV + ["--grad-accum", "2"]),
+        "gpt_caps": {n: gpt_run(ARGV, cap) for n, cap in GPT_CAPS.items()},
+        "gpt_two_accum": gpt_run(ARGV + ["--grad-accum", "2"], GPT_CAPS[2]),
+        "ddp": gpt_train("ddp", ARGV),
+        "toy": toy_train(build, "03", different_init=True),
+        "toy_accum": toy_train(build, "03", grad_accum=3),
+        "toy_ddp": toy_train(build, "ddp", find_unused=True),
+        "toy_caps": {n: toy_run(cap, grad_accum=3, different_init=True) for n, cap in TOY_CAPS.items()},
+    }
+    if world == 2:
+        out["bf16"] = run_lesson(LESSON, BF16)
+        out["bf16_ddp"] = gpt_train("ddp", BF16)
+        out["bf16_cap2"] = gpt_run(BF16, GPT_CAPS[2])
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results(world):
+    return spawn(world, suite, world)
+
+
+# ----------------------------------------------------------------------------- comparisons
+def close(a, b, tol=TOL):
+    torch.testing.assert_close(a["losses"], b["losses"], **tol)
+    assert a["params"].keys() == b["params"].keys()
+    for name in a["params"]:
+        torch.testing.assert_close(a["params"][name], b["params"][name], **tol, msg=name)
+
+
+def grads_close(got, want):
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        for name in w:
+            torch.testing.assert_close(g[name], w[name], **GRAD_TOL, msg=f"step {step} {name}")
+        for name in g.keys() - w.keys():  # no gradient in the reference: none, or zeros
+            assert not g[name].any(), f"step {step} {name}: a gradient out of nothing"
+
+
+def all_reduces(report):
+    ops = report["comm"]["ops"]
+    assert list(ops) == ["all_reduce"]
+    return ops["all_reduce"]
+
+
+# ----------------------------------------------------------------------------- the tests
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gpt_matches_single_process_and_ddp_at_every_bucket_count(world):
+    ref = reference(ARGV)
+    for rank_out in results(world):
+        close(rank_out["main"], ref)
+        close(rank_out["accum"], ref)
+        close(rank_out["ddp"], ref)
+        for n_buckets, run in rank_out["gpt_caps"].items():
+            close(run, ref)
+        close(rank_out["gpt_two_accum"], ref)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_one_all_reduce_per_bucket_and_ring_bytes_equal_theory(world):
+    out = results(world)[0]
+    report = out["main"]["report"]  # main() at the default cap: the whole model in one bucket
+    assert report["n_params"] == PSI and len(out["main"]["params"]) == N_TENSORS
+    assert all_reduces(report) == {"calls": 1, "bytes": PSI * 4}  # exact: every gradient once
+    assert report["comm"]["ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"]
+    assert report["comm"]["ring_bytes_per_step"] == 2 * (world - 1) / world * PSI * 4
+    # gradient accumulation: the non-final micro-steps communicate nothing
+    assert out["accum"]["report"]["comm"]["ops"] == report["comm"]["ops"]
+    # Other caps, counted over the whole run: the harness also all-reduces each step's loss
+    # (one fp32 scalar), so per step there are n_buckets + 1 calls and Psi * 4 + 4 bytes.
+    steps = len(out["main"]["losses"])
+    runs = [(n, out["gpt_caps"][n]) for n in GPT_CAPS] + [(2, out["gpt_two_accum"])]
+    for n_buckets, run in runs:
+        assert run["all_reduce"] == {"calls": steps * (n_buckets + 1), "bytes": steps * (PSI * 4 + 4)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_edge_cases_tied_frozen_unused_different_init_accumulation(world):
+    ref = toy_reference()
+    for rank_out in results(world):
+        close(rank_out["toy"], ref)
+        close(rank_out["toy_accum"], ref)
+        close(rank_out["toy_ddp"], ref)
+        for n_buckets, run in rank_out["toy_caps"].items():
+            close(run, ref)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gradients_are_the_whole_batch_gradient_in_views_of_the_buckets(world):
+    want = toy_reference_grads()
+    for rank_out in results(world):
+        for n_buckets, run in rank_out["toy_caps"].items():
+            grads_close(run["grads"], want)
+            steps = len(run["losses"])  # toy_train also all-reduces each step's loss once
+            assert run["all_reduce"] == {"calls": steps * (n_buckets + 1),
+                                         "bytes": steps * (TOY_ELEMS * 4 + 4)}, f"{n_buckets} buckets"
+            # The gradients live in n_buckets flat buffers, allocated once (the same storages
+            # every step) and sized exactly to the trainable parameters: views, not copies.
+            storages = run["storages"]
+            assert all(s == storages[0] for s in storages)
+            assert len(storages[0]) == n_buckets
+            assert sum(nbytes for _, nbytes in storages[0]) == TOY_ELEMS * 4
+            assert not run["grads"][0]["unused"].any()  # in a bucket, as zeros: no gradient
+
+
+def test_bf16_matches_reference_and_ddp_and_memory_equals_theory():
+    ref = reference(BF16)
+    for rank_out in results(2):
+        torch.testing.assert_close(rank_out["bf16"]["losses"], ref["losses"], **BF16_LOSS_TOL)
+        for name, p in rank_out["bf16"]["params"].items():
+            torch.testing.assert_close(p, ref["params"][name], **BF16_PARAM_TOL, msg=name)
+        # Against DDP the arithmetic is the same, element by element: bf16 gradients divided by
+        # 2, then a sum of two numbers (commutative in IEEE, whatever the order): bit-identical.
+        close(rank_out["bf16"], rank_out["bf16_ddp"], tol=dict(rtol=0, atol=0))
+        close(rank_out["bf16_cap2"], rank_out["bf16"], tol=dict(rtol=0, atol=0))  # 1 bucket too
+    out = results(2)[0]
+    report = out["bf16"]["report"]
+    assert all_reduces(report)["bytes"] == PSI * 2  # bf16 collectives
+    assert report["comm"]["ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"]
+    # The cap counts the gradients' real bytes: bf16 gradients are half the size, so the cap
+    # that makes two fp32 buckets holds the whole bf16 model in one (plus the loss's all-reduce).
+    steps = len(out["bf16"]["losses"])
+    assert out["bf16_cap2"]["all_reduce"] == {"calls": steps * 2, "bytes": steps * (PSI * 2 + 4)}
+    theory = report["memory"]["theory"]
+    assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * PSI, 2 * PSI, 12 * PSI)
+    for mem in report["memory"]["per_rank"]:  # measured from the live tensors, rank by rank
+        assert mem["params"] == 2 * PSI and mem["peak_params"] == 2 * PSI
+        assert mem["grads"] == 2 * PSI  # the bucket buffers are the gradients: no extra copy
+        # fp32 master weights and two fp32 moments: 12 Psi. torch's AdamW also keeps one 0-dim
+        # fp32 step counter per parameter tensor (4 bytes each), which the ZeRO paper's K omits.
+        assert mem["optimizer"] == 12 * PSI + 4 * N_TENSORS
+        assert mem["other"] == 0
