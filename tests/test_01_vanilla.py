@@ -4,7 +4,7 @@ import functools
 import pytest
 import torch
 
-from harness import gpt_train, reference, run_lesson, spawn
+from harness import gpt_train, recording, reference, run_lesson, spawn, toy_reference_grads
 from lessons import build
 from toy import toy_reference, toy_train
 
@@ -15,6 +15,15 @@ ARGV = ["--steps", "6", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
 # (~1e-7 relative per step) that Adam can amplify a little over 6 steps; 1e-5 is far below the
 # ~1e-2 a wrong averaging (sum instead of mean, a missed parameter) would cause.
 TOL = dict(rtol=1e-5, atol=1e-5)
+# Gradients are compared before Adam sees them (harness.recording says why): the same round-off
+# argument as TOL; a wrong scale (a missing 1/N) is off by 50% or more.
+GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
+
+
+def toy_grads(**kw):
+    grads = []
+    out = toy_train(recording(build, grads), "01", **kw)
+    return {**out, "grads": grads}
 
 
 def suite(world):
@@ -26,6 +35,7 @@ def suite(world):
         "toy": toy_train(build, "01", different_init=True),
         "toy_accum": toy_train(build, "01", grad_accum=3),
         "toy_ddp": toy_train(build, "ddp", find_unused=True),
+        "toy_grads": toy_grads(different_init=True, grad_accum=3),
     }
 
 
@@ -70,3 +80,16 @@ def test_one_all_reduce_per_gradient_and_ring_bytes_equal_theory(world):
     assert ops["all_reduce"]["calls"] == len(results(world)[0]["main"]["params"])
     assert report["comm"]["ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"]
     assert report["comm"]["ring_bytes_per_step"] == 2 * (world - 1) / world * psi * 4
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gradients_are_the_whole_batch_gradient(world):
+    # different initial weights on every rank, 3 micro-steps, tied/frozen/unused parameters
+    want = toy_reference_grads()
+    for rank_out in results(world):
+        got = rank_out["toy_grads"]["grads"]
+        assert len(got) == len(want)
+        for step_got, step_want in zip(got, want):
+            assert step_got.keys() == step_want.keys()  # the unused parameter has no gradient
+            for name in step_want:
+                torch.testing.assert_close(step_got[name], step_want[name], **GRAD_TOL, msg=name)
