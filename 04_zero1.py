@@ -1,0 +1,152 @@
+"""Lesson 04: ZeRO-1. Shard the optimizer: reduce-scatter -> AdamW on my shard -> all-gather.
+
+In 01-03 every rank holds the whole optimizer: in bf16 mode, 12 bytes per parameter of fp32
+master weights and Adam moments, three times what the bf16 parameters and gradients take
+together, and the same on every rank. But every rank also computes the same update. ZeRO-1
+(Rajbhandari et al. 2020, "P_os") splits that work instead of repeating it: all trainable
+parameters live in one flat buffer cut into N equal shards, rank r keeps the optimizer state
+of shard r only and updates shard r only, then the ranks swap their updated shards.
+
+The all-reduce of 01 is itself a reduce-scatter followed by an all-gather (that is how a ring
+runs it). ZeRO-1 pulls the two halves apart and puts the optimizer step between them, so it
+sends exactly what 01 sends, 2 Psi (N-1)/N elements per rank per step, and holds 12 Psi / N
+bytes of optimizer state instead of 12 Psi.
+
+    python 04_zero1.py                                       # one process (world size 1)
+    torchrun --nproc_per_node=2 04_zero1.py                  # 2 ranks on CPU (gloo)
+    torchrun --nproc_per_node=2 04_zero1.py --precision bf16 # the ZeRO paper's accounting
+    torchrun --nproc_per_node=4 04_zero1.py --device cuda    # 4 GPUs (nccl)
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+             --rdzv-endpoint=HOST:29500 04_zero1.py         # 2 nodes, run on each
+
+PyTorch: `torch.distributed.optim.ZeroRedundancyOptimizer` (which shards the optimizer state
+but leaves gradients to DDP's all-reduce); DeepSpeed: ZeRO stage 1.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+import common
+import measure
+
+
+# ----------------------------------------------------------------------------- the strategy
+class ZeRO1Optimizer:
+    """Shaped like PyTorch's `ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`.
+
+    params            the model's parameters; the trainable ones are moved into one flat buffer
+                      that they view from then on (frozen ones stay where they are)
+    optimizer_class   a torch.optim optimizer, run over this rank's shard only
+    grad_clip         global-norm gradient clipping across all shards; 0 turns it off
+    **defaults        the optimizer's own arguments (lr, betas, ...)
+
+    Rank 0's parameters are broadcast here, so ranks may start from different weights. Call
+    `step()` once per optimizer step, after the last micro-step's backward, then `zero_grad()`.
+    """
+
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, grad_clip=0.0, **defaults):
+        params = list({id(p): p for p in params}.values())  # a tied weight is one parameter
+        self.params = [p for p in params if p.requires_grad]
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.grad_clip = grad_clip
+        dtype, device = self.params[0].dtype, self.params[0].device
+        assert all(p.dtype == dtype for p in self.params), "one working precision for all parameters"
+
+        # One flat buffer for the parameters, one for their gradients, padded to a multiple of N
+        # so they split into N equal shards (a reduce-scatter needs equal chunks). The padding
+        # is viewed by no parameter, so it stays zero, and so do its gradient and its update.
+        numel = sum(p.numel() for p in self.params)
+        self.numel_padded = math.ceil(numel / self.world_size) * self.world_size
+        shard_numel = self.numel_padded // self.world_size
+        self.flat_param = torch.zeros(self.numel_padded, dtype=dtype, device=device)  # (numel_padded,)
+        self.flat_grad = torch.zeros_like(self.flat_param)                            # (numel_padded,)
+        with torch.no_grad():
+            offset = 0
+            for p in self.params:
+                view = self.flat_param[offset:offset + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view  # the model now computes with the flat buffer
+                # autograd accumulates into an existing .grad in place: into the flat buffer
+                p.grad = self.flat_grad[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            # Ranks may start from different random weights: make rank 0's the truth.
+            dist.broadcast(self.flat_param, src=0)
+            for p in params:
+                if not p.requires_grad:  # frozen, but it must still be the same on every rank
+                    dist.broadcast(p.data, src=0)
+
+        # My shard: slice `rank` of the flat buffer, updated by me only.
+        start = self.rank * shard_numel
+        self.param_shard = self.flat_param[start:start + shard_numel]  # (numel_padded / N,), a view
+        # fp32 master weights for my shard only: a copy in bf16 mode; in fp32 mode the shard is
+        # its own master (.to returns the same tensor), so nothing is duplicated.
+        self.master_shard = self.param_shard.to(torch.float32)  # (numel_padded / N,) fp32
+        # A real torch.optim optimizer over one tensor: Adam moments exist for my shard only.
+        self.optim = optimizer_class([self.master_shard], **defaults)
+
+    @torch.no_grad()
+    def step(self):
+        # 1) reduce-scatter the flat gradient, averaged: afterwards I hold the global batch's
+        # gradient for my shard and nothing else. An all-reduce and then a slice would give the
+        # same numbers but send 2 Psi (N-1)/N elements, and the all-gather in 3) another
+        # Psi (N-1)/N: 50% more than 01. A reduce-scatter sends Psi (N-1)/N, so 1) + 3) cost
+        # exactly one all-reduce. (gloo has no AVG: divide first, then SUM, as in 01.)
+        self.flat_grad.div_(self.world_size)
+        grad_shard = torch.empty_like(self.param_shard)  # (numel_padded / N,)
+        dist.reduce_scatter_single(grad_shard, self.flat_grad)  # was reduce_scatter_tensor
+
+        # 2) AdamW on my shard, in fp32 (bf16 gradients are cast up first, as 01-03 do)
+        self.master_shard.grad = grad_shard.float()
+        if self.grad_clip > 0:
+            self.clip_grad_norm_([self.master_shard.grad])
+        self.optim.step()
+        self.master_shard.grad = None  # the gradient shard lives only during the step
+
+        # 3) cast my updated shard into the flat buffer (the same tensor in fp32 mode) and
+        # all-gather every rank's into the flat buffer, so every parameter view is current. In
+        # place: my shard already sits at its slot of the output, which NCCL and gloo allow.
+        self.param_shard.copy_(self.master_shard)
+        dist.all_gather_single(self.flat_param, self.param_shard)  # was all_gather_into_tensor
+
+    def clip_grad_norm_(self, grads):
+        """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ but over all ranks' shards:
+        each rank sums the squares of its own shard; one scalar all-reduce adds them up."""
+        norm_sq = sum(g.float().pow(2).sum() for g in grads)  # padding is zero: adds nothing
+        dist.all_reduce(norm_sq)
+        clip_coef = (self.grad_clip / (norm_sq.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(clip_coef)
+
+    def zero_grad(self):
+        self.flat_grad.zero_()  # in place: every parameter's .grad must stay a view of it
+
+
+# ----------------------------------------------------------------------------- training
+def main(argv=None):
+    args = common.parse_args(argv, description=__doc__)
+    env = common.init_distributed(args)
+    model = common.build_model(args, env)
+    optimizer = ZeRO1Optimizer(model.parameters(), torch.optim.AdamW, grad_clip=args.grad_clip,
+                               **common.adamw_kwargs(args))
+    run = measure.Run(args, env, "zero1", model, optimizer)
+
+    ### TRAINING SECTION BEGIN
+    for step in range(args.steps):
+        with run.step(step) as losses:
+            for micro in range(args.grad_accum):
+                x, y = common.get_batch(args, env, step, micro)
+                loss = model(x, y) / args.grad_accum
+                loss.backward()  # gradients accumulate locally, in the flat buffer
+                losses.append(loss)
+            # ZeRO-1 keeps the full gradient, so it communicates once per optimizer step:
+            optimizer.step()  # 1) reduce-scatter  2) AdamW on my shard  3) all-gather
+            optimizer.zero_grad()
+    ### TRAINING SECTION END
+
+    run.finish()
+    return run
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,191 @@
+"""Lesson 05: ZeRO-2. Shard the gradients too: buckets reduce-scatter during backward.
+
+ZeRO-1 (04) shards the optimizer but still holds the whole gradient on every rank, 2 Psi bytes
+in bf16, although after the reduce-scatter each rank uses 1/N of it. ZeRO-2 (Rajbhandari et al.
+2020, "P_os+g") never holds the whole gradient: backward fills the buckets of 03, each full
+bucket is reduce-scattered at once, while backward goes on, and a rank keeps only its slice of
+each bucket's averaged gradient. A full-size bucket buffer is freed once its reduce-scatter
+is done (at most two are in flight), so gradients take 2 Psi / N bytes plus those buckets.
+
+The shards follow the buckets: rank r owns slice r of every bucket, of its gradient, of its
+parameters (each bucket's parameters view one flat buffer) and of the optimizer state; after
+the step each bucket is all-gathered. Communication is the same as in 01 and 04:
+2 Psi (N-1)/N elements per rank per step.
+
+    python 05_zero2.py                                       # one process (world size 1)
+    torchrun --nproc_per_node=2 05_zero2.py                  # 2 ranks on CPU (gloo)
+    torchrun --nproc_per_node=2 05_zero2.py --precision bf16 # the ZeRO paper's accounting
+    torchrun --nproc_per_node=2 05_zero2.py --bucket-mb 0.25 # many buckets; 25 MiB holds all
+    torchrun --nproc_per_node=4 05_zero2.py --device cuda    # 4 GPUs (nccl)
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+             --rdzv-endpoint=HOST:29500 05_zero2.py         # 2 nodes, run on each
+
+PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)`; DeepSpeed: ZeRO stage 2.
+
+Gradient accumulation (--grad-accum K): this lesson reduce-scatters on every micro-step and
+adds my slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do. The
+other choice, accumulating locally and reducing once, needs the whole gradient alive between
+micro-steps: 2 Psi bytes, ZeRO-1's gradient memory, which is what this stage exists to remove.
+The price of keeping 2 Psi / N: K reduce-scatters per optimizer step, (K + 1) Psi (N-1)/N
+elements sent instead of 2 Psi (N-1)/N, each hidden behind its micro-step's backward as far
+as the bandwidth allows. Where memory is plenty and bandwidth scarce, ZeRO-1 accumulates for free.
+"""
+import torch
+import torch.distributed as dist
+
+import common
+import measure
+from bucket import BucketManager
+
+
+# ----------------------------------------------------------------------------- the strategy
+class ZeRO2Optimizer:
+    """Shaped like PyTorch's `ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`.
+
+    params            the model's parameters; the trainable ones are moved into one flat buffer
+                      per bucket that they view from then on (frozen ones stay where they are)
+    optimizer_class   a torch.optim optimizer, run over this rank's shard of every bucket
+    bucket_cap_mb     the bucket size, as in 03 and DDP
+    grad_clip         global-norm gradient clipping across all shards; 0 turns it off
+    **defaults        the optimizer's own arguments (lr, betas, ...)
+
+    Rank 0's parameters are broadcast here, so ranks may start from different weights. After
+    every backward call `finish_reduce_scatter()`; once per optimizer step `step()`, `zero_grad()`.
+    """
+
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, bucket_cap_mb=25.0, grad_clip=0.0,
+                 **defaults):
+        params = list({id(p): p for p in params}.values())  # a tied weight is one parameter
+        self.params = [p for p in params if p.requires_grad]
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.grad_clip = grad_clip
+        # The buckets of 03, padded so each splits into N equal shards; but the collective is a
+        # reduce-scatter, and a bucket's full-size buffer exists only while it fills and is in
+        # flight. At most two in flight (double buffering, as DeepSpeed's overlap_comm): before
+        # a third starts, the oldest is waited for and freed, so the whole gradient never
+        # exists at once, not even at the end of backward.
+        self.grad_buckets = BucketManager(self.params, bucket_cap_mb, launch=self._reduce_scatter,
+                                          grads_as_views=False, pad_to=self.world_size,
+                                          on_done=self._keep_my_shard, max_in_flight=2)
+        buckets = self.grad_buckets.buckets
+        self.flat_params, self.param_shards, self.master_shards = [], [], []
+        self.grad_shards = [None] * len(buckets)  # my slice of each bucket's gradient, kept
+        self.grad_shards_in_flight = {}            # bucket index -> reduce-scatter output
+        with torch.no_grad():
+            for bucket in buckets:
+                # Each bucket's parameters view one flat buffer with the bucket's layout and
+                # padding (the padding stays zero, and so do its gradient and its update).
+                flat_param = torch.zeros(bucket.numel_padded, dtype=bucket.dtype, device=bucket.device)
+                for p in bucket.params:
+                    view = bucket.view(p, flat_param)
+                    view.copy_(p)
+                    p.data = view  # the model now computes with the flat buffers
+                # Ranks may start from different random weights: make rank 0's the truth.
+                dist.broadcast(flat_param, src=0)
+                # My shard: slice `rank` of this bucket, updated by me only.
+                shard_numel = bucket.numel_padded // self.world_size
+                start = self.rank * shard_numel
+                param_shard = flat_param[start:start + shard_numel]  # (numel_padded / N,), a view
+                self.flat_params.append(flat_param)  # (numel_padded,)
+                self.param_shards.append(param_shard)
+                # fp32 master weights for my shard only: a copy in bf16 mode; in fp32 mode the
+                # shard is its own master (.to returns the same tensor).
+                self.master_shards.append(param_shard.to(torch.float32))
+            for p in params:
+                if not p.requires_grad:  # frozen, but it must still be the same on every rank
+                    dist.broadcast(p.data, src=0)
+        # A real torch.optim optimizer over my shards: Adam moments exist for them only.
+        self.optim = optimizer_class(self.master_shards, **defaults)
+        # Fires during backward once p.grad is complete (a tied weight's: both uses summed).
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.grad_buckets.ready)
+
+    @torch.no_grad()
+    def _reduce_scatter(self, bucket):
+        """BucketManager's launch(bucket): called during backward, as soon as a bucket is full."""
+        # 1) reduce-scatter the bucket's gradient, averaged, asynchronously: backward goes on
+        # with earlier layers while it runs. (gloo has no AVG: divide first, then SUM, as in 01.)
+        bucket.buffer.div_(self.world_size)
+        grad_shard = torch.empty(bucket.numel_padded // self.world_size, dtype=bucket.dtype,
+                                 device=bucket.device)  # (numel_padded / N,)
+        self.grad_shards_in_flight[bucket.index] = grad_shard
+        return dist.reduce_scatter_single(grad_shard, bucket.buffer, async_op=True)  # was reduce_scatter_tensor
+
+    @torch.no_grad()
+    def _keep_my_shard(self, bucket):
+        """BucketManager's on_done(bucket): keep my slice, drop the full-size buffer."""
+        grad_shard = self.grad_shards_in_flight.pop(bucket.index)
+        if self.grad_shards[bucket.index] is None:
+            self.grad_shards[bucket.index] = grad_shard
+        else:  # a later micro-step: accumulate in the shard (see the docstring)
+            self.grad_shards[bucket.index] += grad_shard
+        bucket.buffer = None  # freed: the next bucket to fill gets the memory back
+
+    def finish_reduce_scatter(self):
+        """After each backward: launch any bucket a parameter without gradient left short, wait
+        for every bucket's reduce-scatter, keep my slices."""
+        self.grad_buckets.finish()
+
+    @torch.no_grad()
+    def step(self):
+        assert None not in self.grad_shards, "call finish_reduce_scatter() after every backward"
+        # 1) the reduce-scatters ran during backward: my gradient shards are ready.
+
+        # 2) AdamW on my shard of every bucket, in fp32 (bf16 gradients are cast up first)
+        for master_shard, grad_shard in zip(self.master_shards, self.grad_shards):
+            master_shard.grad = grad_shard.float()
+        if self.grad_clip > 0:
+            self.clip_grad_norm_([m.grad for m in self.master_shards])
+        self.optim.step()
+
+        # 3) per bucket: cast my updated shard into its flat buffer (the same tensor in fp32
+        # mode) and all-gather every rank's, in place as in 04; all buckets at once, then wait.
+        works = []
+        for flat_param, param_shard, master_shard in zip(self.flat_params, self.param_shards, self.master_shards):
+            master_shard.grad = None  # gradient shards live only until the step
+            param_shard.copy_(master_shard)
+            works.append(dist.all_gather_single(flat_param, param_shard, async_op=True))  # was all_gather_into_tensor
+        for work in works:
+            work.wait()
+
+    def clip_grad_norm_(self, grads):
+        """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ but over all ranks' shards:
+        each rank sums the squares of its own shards; one scalar all-reduce adds them up."""
+        norm_sq = sum(g.float().pow(2).sum() for g in grads)  # padding is zero: adds nothing
+        dist.all_reduce(norm_sq)
+        clip_coef = (self.grad_clip / (norm_sq.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(clip_coef)
+
+    def zero_grad(self):
+        self.grad_shards = [None] * len(self.grad_shards)  # the next backward's slices start them
+
+
+# ----------------------------------------------------------------------------- training
+def main(argv=None):
+    args = common.parse_args(argv, description=__doc__)
+    env = common.init_distributed(args)
+    model = common.build_model(args, env)
+    optimizer = ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=args.bucket_mb,
+                               grad_clip=args.grad_clip, **common.adamw_kwargs(args))
+    run = measure.Run(args, env, "zero2", model, optimizer)
+
+    ### TRAINING SECTION BEGIN
+    for step in range(args.steps):
+        with run.step(step) as losses:
+            for micro in range(args.grad_accum):
+                x, y = common.get_batch(args, env, step, micro)
+                loss = model(x, y) / args.grad_accum
+                loss.backward()  # 1) each bucket is reduce-scattered as soon as it is full
+                optimizer.finish_reduce_scatter()  # every micro-step: no full gradient is kept
+                losses.append(loss)
+            optimizer.step()  # 2) AdamW on my shards  3) all-gather, bucket by bucket
+            optimizer.zero_grad()
+    ### TRAINING SECTION END
+
+    run.finish()
+    return run
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,106 @@
+"""Lesson 04 (ZeRO-1) against single-process training and PyTorch's ZeroRedundancyOptimizer;
+its memory and communication against the ZeRO paper. Tolerances: tests/zero_parity.py."""
+import functools
+import math
+
+import pytest
+
+from harness import gpt_train, run_lesson, spawn
+from lessons import build
+from toy import toy_reference, toy_train
+from zero_parity import ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, ref, toy_sgd_reference
+
+LESSON = "04_zero1"
+CLIP = ARGV + ["--grad-clip", "0.05"]
+ACCUM_CLIP = CLIP + ["--grad-accum", "2"]
+BF16 = ARGV + ["--precision", "bf16"]
+
+
+def suite(world):
+    """Everything lesson 04 is checked on, in one launch per world size (start-up is costly)."""
+    return {
+        "main": run_lesson(LESSON, ARGV),
+        "accum_clip": run_lesson(LESSON, ACCUM_CLIP),
+        "bf16": run_lesson(LESSON, BF16),
+        "torch": gpt_train("zero_redundancy", ACCUM_CLIP),
+        "toy": toy_train(build, "04", different_init=True),
+        "toy_accum_clip": toy_train(build, "04", grad_accum=3, grad_clip=0.05, different_init=True),
+        "toy_sgd": toy_train(build, "04", **SGD),
+        "toy_torch": toy_train(build, "zero_redundancy", find_unused=True),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def results(world):
+    return spawn(world, suite, world)
+
+
+def padded(world):
+    """Psi rounded up to a multiple of N: the flat buffer."""
+    return math.ceil(PSI / world) * world
+
+
+# ----------------------------------------------------------------------------- the tests
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gpt_matches_single_process_and_zero_redundancy_optimizer(world):
+    # Clipping must change the result by far more than TOL, or its test proves nothing. (Adam
+    # ignores a gradient's scale, so clipping at every step changes the losses by only ~4e-4.)
+    assert abs(ref(tuple(CLIP))["losses"][-1] - ref(tuple(ARGV))["losses"][-1]) > 10 * TOL["atol"]
+    for out in results(world):
+        close(out["main"], ref(tuple(ARGV)))
+        close(out["accum_clip"], ref(tuple(CLIP)))  # accumulation changes nothing but round-off
+        close(out["torch"], ref(tuple(CLIP)))
+        if world == 1:  # the reference's arithmetic op for op (zero_parity: BF16_*)
+            identical(out["main"], ref(tuple(ARGV)))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_edge_cases_tied_frozen_unused_uneven_different_init_accumulation_clipping(world):
+    for out in results(world):
+        close(out["toy"], toy_reference())
+        close(out["toy_accum_clip"], toy_reference(grad_clip=0.05))
+        close(out["toy_sgd"], toy_sgd_reference())
+        close(out["toy_torch"], toy_reference())
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_bf16_matches_mixed_precision_reference(world):
+    for out in results(world):
+        bf16_close(out["bf16"], ref(tuple(BF16)), initial_params(BF16), world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_at_rest_bf16_is_zero1_theory_plus_padding(world):
+    report = results(world)[0]["bf16"]["report"]
+    theory, n = report["memory"]["theory"], padded(world)
+    assert report["n_params"] == PSI
+    assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * PSI, 2 * PSI, 12 * PSI / world)
+    for m in report["memory"]["per_rank"]:
+        # exact bytes: one padded bf16 flat buffer each for parameters and gradients (2 Psi
+        # each); for one shard of it, fp32 master weights and two fp32 Adam moments (12 Psi / N),
+        # plus Adam's step count (one fp32 scalar); nothing else held
+        assert m["params"] == 2 * n
+        assert m["grads"] == 2 * n
+        assert m["optimizer"] == 12 * n // world + 4
+        assert m["other"] == 0
+        # against the paper: above it by the padding (fewer than N elements) and the step count
+        for key in ("params", "grads", "optimizer"):
+            assert 0 <= m[key] - theory[key] <= 12 * (world - 1) + 4, key
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_comm_is_one_reduce_scatter_and_one_all_gather_as_much_as_an_all_reduce(world):
+    out = results(world)[0]
+    for key, nbytes in (("main", 4), ("bf16", 2)):
+        comm = out[key]["report"]["comm"]
+        # exact: the padded flat buffer once each way
+        assert comm["ops"] == {"reduce_scatter": {"calls": 1, "bytes": padded(world) * nbytes},
+                               "all_gather": {"calls": 1, "bytes": padded(world) * nbytes}}, key
+        # a ring all-reduce's bytes, 2 (N-1)/N Psi, as in 01-03: padding is all it adds
+        assert comm["ring_bytes_per_step"] == 2 * (world - 1) / world * padded(world) * nbytes
+        assert comm["theory_ring_bytes_per_step"] == 2 * (world - 1) / world * PSI * nbytes
+    # 2 micro-steps, clipping on: the same once per optimizer step (ZeRO-1 keeps the whole
+    # gradient, so it reduces once, at the end), plus exactly one all-reduce of one fp32
+    # scalar, the squared norm summed over all shards
+    ops, main = out["accum_clip"]["report"]["comm"]["ops"], out["main"]["report"]["comm"]["ops"]
+    assert ops == {**main, "all_reduce": {"calls": 1, "bytes": 4}}
