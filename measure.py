@@ -9,12 +9,14 @@
 - Run times every step, logs one line from rank 0, and writes the summary and JSON report.
 Only `--measure-step` is measured, so the other steps run with nothing patched.
 """
+import inspect
 import json
 import resource
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+import weakref
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -32,8 +34,11 @@ STATE_BYTES = {"fp32": {"params": 4, "grads": 4, "optimizer": 8},
 # which states each stage divides by N
 SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
            "zero1": ("optimizer",), "zero2": ("optimizer", "grads"),
-           "zero3": ("optimizer", "grads", "params")}
-STAGE = {"vanilla_dp": 0, "async_allreduce": 0, "buckets": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+           "zero3": ("optimizer", "grads", "params"),
+           # PyTorch's counterparts, run by scripts/torch_reference.py for the benchmark
+           "torch_ddp": (), "torch_zero_redundancy": ("optimizer",),
+           "torch_fsdp2_noreshard": ("optimizer", "grads"),
+           "torch_fsdp2": ("optimizer", "grads", "params")}
 
 
 def theory_memory(strategy, psi, world, precision):
@@ -42,6 +47,10 @@ def theory_memory(strategy, psi, world, precision):
     for key, b in STATE_BYTES[precision].items():
         out[key] = psi * b / world if key in SHARDED[strategy] else psi * b
     out["peak_params"] = out["params"]  # ZeRO-3 adds the gathered units in flight
+    # of the optimizer state, the fp32 master weights: 4 of the K = 12 bytes in bf16; in fp32 the
+    # optimizer updates the parameters themselves
+    master = 4 * psi if precision == "bf16" else 0
+    out["master_weights"] = master / world if "optimizer" in SHARDED[strategy] else master
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
@@ -56,17 +65,41 @@ RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n,
 def theory_ring_bytes(strategy, psi, world, precision):
     """ZeRO paper section 7: 2 Psi elements per rank per step for DP, ZeRO-1 and ZeRO-2 (an
     all-reduce, or a reduce-scatter plus an all-gather), 3 Psi for ZeRO-3; times (N-1)/N."""
-    elems = 3 * psi if strategy == "zero3" else 2 * psi
+    elems = 3 * psi if strategy in ("zero3", "torch_fsdp2") else 2 * psi
     return elems * (world - 1) / world * STATE_BYTES[precision]["params"]
 
 
+# ----------------------------------------------------------------------------- calculator
+# The ZeRO paper's Table 1 and Table 2 (scripts/zero_calc.py is the command line): model states
+# per device, mixed precision, 2 bytes of parameters + 2 of gradients + K of optimizer state.
+def model_state_bytes(stage, psi, world, k=12):
+    """Bytes per device at ZeRO `stage` (0 = plain DP, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p):
+    (2 + 2 + K) Psi, 4 Psi + K Psi / N, 2 Psi + (2 + K) Psi / N, (2 + 2 + K) Psi / N."""
+    return float(psi * _bytes_per_param(stage, world, k))
+
+
+def largest_model(memory_bytes, world, stage, k=12):
+    """The most parameters whose model states fit in `memory_bytes` per device at `stage` on
+    `world` devices (Table 2's "max theoretical model size"); exact, in rational arithmetic."""
+    from fractions import Fraction
+    return int(Fraction(memory_bytes) / _bytes_per_param(stage, world, k))
+
+
+def _bytes_per_param(stage, world, k):
+    from fractions import Fraction
+    if stage not in (0, 1, 2, 3) or world < 1:
+        raise ValueError(f"stage must be 0-3 and world at least 1, got stage {stage}, world {world}")
+    n, k = Fraction(world), Fraction(k)
+    return {0: 2 + 2 + k, 1: 2 + 2 + k / n, 2: 2 + (2 + k) / n, 3: (2 + 2 + k) / n}[stage]
+
+
 # ----------------------------------------------------------------------------- communication
-# name in torch.distributed -> (kind, index of the full-size tensor among the arguments)
+# name in torch.distributed -> (kind, name of the argument holding the full-size tensor)
 _COLLECTIVES = {
-    "all_reduce": ("all_reduce", 0),
-    "reduce_scatter_single": ("reduce_scatter", 1), "reduce_scatter_tensor": ("reduce_scatter", 1),
-    "all_gather_single": ("all_gather", 0), "all_gather_into_tensor": ("all_gather", 0),
-    "broadcast": ("broadcast", 0),
+    "all_reduce": ("all_reduce", "tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input"), "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "all_gather_single": ("all_gather", "output_tensor"), "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "broadcast": ("broadcast", "tensor"),
 }
 _UNMETERED = ["all_gather", "reduce_scatter", "reduce", "all_to_all_single", "gather", "scatter"]
 
@@ -77,6 +110,7 @@ class CommMeter:
     def __init__(self, world_size):
         self.world = world_size
         self.ops = {}
+        self.wire_bytes = None  # what this process wrote while measuring (Linux, gloo): see bytes_written
 
     def _record(self, kind, tensor):
         entry = self.ops.setdefault(kind, {"calls": 0, "bytes": 0})
@@ -87,29 +121,43 @@ class CommMeter:
     def measuring(self):
         originals = {}
 
-        def wrap(name, kind, index):
+        def wrap(name, kind, arg):
             fn = getattr(dist, name)
+            signature = inspect.signature(fn)
 
             def metered(*args, **kwargs):
-                tensor = args[index] if len(args) > index else next(iter(kwargs.values()))
-                self._record(kind, tensor)
+                self._record(kind, signature.bind(*args, **kwargs).arguments[arg])
                 return fn(*args, **kwargs)
             return fn, metered
 
-        for name, (kind, index) in _COLLECTIVES.items():
-            originals[name], metered = wrap(name, kind, index)
+        for name, (kind, arg) in _COLLECTIVES.items():
+            originals[name], metered = wrap(name, kind, arg)
             setattr(dist, name, metered)
         for name in _UNMETERED:  # a lesson calling one of these would go uncounted: refuse
             originals[name] = getattr(dist, name)
             setattr(dist, name, _unmetered(name))
+        written = bytes_written()
         try:
             yield self
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+        if written is not None:  # the step is over, so every collective it issued has completed
+            self.wire_bytes = bytes_written() - written
 
     def ring_bytes(self):
         return sum(RING_FACTOR[k](self.world) * v["bytes"] for k, v in self.ops.items())
+
+
+def bytes_written():
+    """Bytes this process has written so far, all threads (Linux /proc/self/io `wchar`), or None.
+    gloo sends over TCP with write calls, so on CPU this counts what actually went on the wire,
+    whatever algorithm the backend chose (the ops above count what the lesson asked for)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def _unmetered(name):
@@ -130,6 +178,8 @@ class MemoryLedger:
     optimizer-owned parameters (fp32 master weights) -> optimizer; other tensors held by the
     strategy -> by the attribute's name ("grad" -> grads, "master" -> optimizer, "param" ->
     params), else "other". Freed storages (ZeRO-3's `resize_(0)`) count as zero bytes.
+    `master_weights` is the part of `optimizer` that the optimizers update (fp32 master weights
+    in bf16 mode; 0 in fp32 mode, where they update the parameters themselves).
     """
 
     def __init__(self, model, roots):
@@ -138,6 +188,7 @@ class MemoryLedger:
     def tensors(self):
         """Yield (category, tensor) for everything held; params first so views dedup to them."""
         found = []
+        self._updated = []  # the tensors every optimizer found updates (its param_groups)
         for p in self.model.parameters():
             found.append(("params", p))
         for p in self.model.parameters():
@@ -157,18 +208,24 @@ class MemoryLedger:
             if obj.grad is not None:
                 found.append(("grads", obj.grad))
         elif isinstance(obj, torch.optim.Optimizer):
+            self._updated += [p for group in obj.param_groups for p in group["params"]]
             for group in obj.param_groups:
                 for p in group["params"]:
                     self._walk(p, "optimizer", found, seen, depth + 1)
             for state in obj.state.values():
                 for t in state.values():
                     self._walk(t, "optimizer", found, seen, depth + 1)
+            for k, v in vars(obj).items():  # a wrapped inner optimizer (ZeroRedundancyOptimizer.optim)
+                if isinstance(v, torch.optim.Optimizer):
+                    self._walk(v, "optimizer", found, seen, depth + 1)
         elif isinstance(obj, nn.Module):
             for t in list(obj.parameters()) + list(obj.buffers()):
                 self._walk(t, "params", found, seen, depth + 1)
         elif isinstance(obj, dict):
             for k, v in obj.items():
-                self._walk(v, _category(str(k), category), found, seen, depth + 1)
+                # a non-string key (a parameter, say) names no category; str() of a tensor would
+                # print it, reading its memory, which ZeRO-3 (06) may have freed
+                self._walk(v, _category(k if isinstance(k, str) else "", category), found, seen, depth + 1)
         elif isinstance(obj, (list, tuple)):
             for v in obj:
                 self._walk(v, category, found, seen, depth + 1)
@@ -180,7 +237,12 @@ class MemoryLedger:
     def measure(self):
         totals = dict.fromkeys(CATEGORIES, 0)
         counted = set()
-        for category, t in self.tensors():
+        tensors = self.tensors()
+        updated = {_storage_key(t) for t in self._updated}
+        totals["master_weights"] = 0  # included in "optimizer"
+        for category, t in tensors:
+            if type(t).__name__ == "DTensor":  # FSDP2's parameters: count the local shard
+                t = t.to_local()
             if t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
@@ -189,7 +251,15 @@ class MemoryLedger:
                 continue
             counted.add(key)
             totals[category] += storage.nbytes()
+            if category == "optimizer" and key in updated:
+                totals["master_weights"] += storage.nbytes()
         return totals
+
+
+def _storage_key(t):
+    if type(t).__name__ == "DTensor":
+        t = t.to_local()
+    return None if t.device.type == "meta" else (t.untyped_storage().data_ptr(), t.device)
 
 
 def _category(name, inherited):
@@ -204,24 +274,65 @@ def _category(name, inherited):
 
 
 class _PeakParams(TorchDispatchMode):
-    """Samples the parameter bytes alive after every tensor operation of the measured step."""
+    """Samples the parameter bytes alive after every tensor operation of the measured step.
+
+    Also keeps the series: `timeline` holds [op index, parameter bytes, phase, op name] at every
+    operation after which the bytes or the phase (forward, backward, optimizer) changed."""
 
     def __init__(self, ledger):
         super().__init__()
         self.ledger, self.peak = ledger, 0
+        self.ops, self.in_optimizer, self.timeline = 0, False, []
 
-    def sample(self):
-        self.peak = max(self.peak, self.ledger.measure()["params"])
+    def sample(self, name="start"):
+        params = self.ledger.measure()["params"]
+        self.peak = max(self.peak, params)
+        phase = ("optimizer" if self.in_optimizer else
+                 "backward" if torch._C._current_graph_task_id() != -1 else "forward")
+        if not self.timeline or self.timeline[-1][1:3] != [params, phase]:
+            self.timeline.append([self.ops, params, phase, name])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.sample()
+        self.ops += 1
+        self.sample(str(func))
+        return out
+
+
+class PeakAlive(TorchDispatchMode):
+    """The most bytes held at once by tensors created while it is active, sampled after every
+    tensor operation (each storage once; a freed storage counts zero). Observes a construction
+    from outside, e.g. ZeRO-3 (06) materialising a model one unit at a time: everything it
+    allocates counts, shards, full units and the initialiser's temporaries alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive, self.peak = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (list, tuple)) else [out]):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.alive.append(weakref.ref(t))
+        self.alive = [r for r in self.alive if r() is not None]
+        storages = {}
+        for r in self.alive:
+            t = r()
+            if t is not None and t.untyped_storage().nbytes():
+                storages[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(storages.values()))
         return out
 
 
 # ----------------------------------------------------------------------------- the run
 class Run:
     """Per-step timing, rank-0 logging, measurement of one chosen step, summary and report."""
+
+    # Sampling the parameter bytes after every operation of the measured step (peak_params and
+    # its timeline) costs about 2 ms per operation, seconds for 01-03's step. A caller that needs
+    # neither (scripts/sweep.py, for the lessons whose peak it does not plot) may turn it off:
+    # peak_params and the timeline are then None; everything else is measured as before.
+    track_peak_params = True
 
     def __init__(self, args, env, strategy, model, optimizer, holders=()):
         self.args, self.env, self.strategy = args, env, strategy
@@ -231,6 +342,7 @@ class Run:
         self.comm = CommMeter(env.world_size)
         self.losses, self.step_times, self.memory = [], [], None
         self.peak_params = None
+        self.init_peak = None  # optional: bytes held at once while the strategy was built (06)
         self.tokens_per_step = args.global_batch * args.seq_len
 
     @contextmanager
@@ -264,17 +376,24 @@ class Run:
 
         def step_with_sample(*a, **k):
             self.memory = self.ledger.measure()
-            return original(*a, **k)
+            probe.in_optimizer = True
+            try:
+                return original(*a, **k)
+            finally:
+                probe.in_optimizer = False
 
         self.optimizer.step = step_with_sample
         probe = _PeakParams(self.ledger)
+        track = self.track_peak_params
         try:
-            with probe:
-                probe.sample()
+            with probe if track else nullcontext():
+                if track:
+                    probe.sample()
                 yield
         finally:
             self.optimizer.step = original
-        self.peak_params = probe.peak
+        self.peak_params = probe.peak if track else None
+        self.params_timeline = {"ops": probe.ops, "samples": probe.timeline} if track else None
 
     def _log(self, step):
         t = self.step_times[-1]
@@ -285,7 +404,12 @@ class Run:
     def finish(self):
         """Gather every rank's measurements to rank 0, print the summary, write the report."""
         measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params},
-                    "ops": self.comm.ops, "ring_bytes": self.comm.ring_bytes()}
+                    "ops": self.comm.ops, "ring_bytes": self.comm.ring_bytes(),
+                    "wire_bytes": self.comm.wire_bytes}
+        if self.env.master:  # rank 0's parameter bytes over the measured step
+            measured["params_timeline"] = getattr(self, "params_timeline", None)
+        if self.init_peak is not None:
+            measured["memory"]["init_peak"] = self.init_peak
         if self.env.device.type == "cuda":
             measured["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
         gathered = [None] * self.env.world_size
@@ -311,8 +435,11 @@ class Run:
             "comm": {"measured_step": a.measure_step, "per_rank": [g["ops"] for g in gathered],
                      "ops": gathered[0]["ops"],
                      "ring_bytes_per_step": gathered[0]["ring_bytes"],
-                     "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision)},
-            "memory": {"per_rank": [g["memory"] for g in gathered], "theory": mem_theory},
+                     "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision),
+                     # bytes each rank's process actually wrote (gloo on Linux; None elsewhere)
+                     "wire_bytes_per_rank": [g["wire_bytes"] for g in gathered]},
+            "memory": {"per_rank": [g["memory"] for g in gathered], "theory": mem_theory,
+                       "params_timeline": gathered[0].get("params_timeline")},
         }
 
     def _summary(self, r):
@@ -327,9 +454,11 @@ class Run:
               f" | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")
         m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
         row = " | ".join(f"{k} {m.get(k, 0) / mib:.2f} (theory {th[k] / mib:.2f})"
-                         for k in ("params", "grads", "optimizer", "peak_params"))
+                         for k in ("params", "grads", "optimizer", "peak_params")
+                         if m.get(k, 0) is not None)  # peak_params: None when not tracked
         print(f"  memory rank 0, MiB at rest: {row}"
-              + (f" | other {m['other'] / mib:.2f}" if m.get("other") else ""), flush=True)
+              + (f" | other {m['other'] / mib:.2f}" if m.get("other") else "")
+              + (f" | init peak {m['init_peak'] / mib:.2f}" if m.get("init_peak") else ""), flush=True)
 
 
 def _memory_now(env):

@@ -1,0 +1,128 @@
+"""What the two notebooks share: running the measurements, and one figure style for a projector.
+
+Not part of any lesson. The notebooks call
+    sweeps()            every lesson at every world size, in one torchrun launch (scripts/sweep.py)
+    bandwidth(world)    all-reduce / reduce-scatter / all-gather by message size (scripts/bandwidth.py)
+    style(), save(fig, name)
+
+Environment (set by `make figures` through scripts/figures.py, and by tests/test_notebooks.py):
+    NOTEBOOK_QUICK=1    fewer world sizes and message sizes (the test suite's budget)
+    FIGURES_DIR=path    also write every figure there as PNG
+    NOTEBOOK_CACHE=dir  where sweep results are kept (default runs/notebook_cache)
+"""
+import hashlib
+import json
+import os
+import sys
+
+import matplotlib as mpl
+import matplotlib.pyplot as plt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "scripts")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from runs import LESSONS, available_lessons, launch  # noqa: E402
+
+QUICK = os.environ.get("NOTEBOOK_QUICK") == "1"
+FIGURES_DIR = os.environ.get("FIGURES_DIR")
+CACHE = os.environ.get("NOTEBOOK_CACHE") or os.path.join(ROOT, "runs", "notebook_cache")
+# 8 ranks on a 2-core machine are slow (oversubscribed 4x): only for `make figures`
+WORLDS = [1, 2, 4] if QUICK else [1, 2, 4, 8]
+# A small GPT (Psi = 106,240) in the ZeRO paper's mixed precision (bf16 parameters and
+# gradients, fp32 master weights and Adam moments: 2 + 2 + 12 bytes per parameter). Step 0
+# creates Adam's moments, so the measured step is a later one.
+FLAGS = ["--n-layer", "2", "--d-model", "64", "--seq-len", "32", "--global-batch", "8",
+         "--steps", "3", "--measure-step", "2", "--precision", "bf16", "--log-every", "100"]
+# ZeRO-3's timeline, with and without prefetch, at 4 ranks: more blocks show the pattern
+# better (a separate model then, kept apart from the comparison of lessons)
+TIMELINE_WORLD = 4
+TIMELINE = ["06_zero3", "06_zero3 --prefetch 0"] if QUICK else \
+    ["06_zero3 --n-layer 6", "06_zero3 --n-layer 6 --prefetch 0"]
+
+MIB = 2 ** 20
+KIB = 2 ** 10
+NAMES = {"01_vanilla_dp": "01 DP", "02_async_allreduce": "02 async", "03_buckets": "03 buckets",
+         "04_zero1": "04 ZeRO-1", "05_zero2": "05 ZeRO-2", "06_zero3": "06 ZeRO-3"}
+# model-state categories, in stacking order, with one colour each in every figure
+CATEGORIES = [("params", "parameters (bf16)", "#4C72B0"), ("grads", "gradients (bf16)", "#DD8452"),
+              ("moments", "Adam moments (fp32)", "#55A868"), ("master_weights", "master weights (fp32)", "#8172B3"),
+              ("other", "other buffers", "#937860")]
+COLLECTIVES = [("all_reduce", "all-reduce", "#4C72B0"), ("reduce_scatter", "reduce-scatter", "#DD8452"),
+               ("all_gather", "all-gather", "#55A868")]
+
+
+# ----------------------------------------------------------------------------- measurements
+def _code_hash(extra):
+    """Everything a sweep's result depends on: its arguments and the code that produced it."""
+    import torch
+    h = hashlib.sha256(json.dumps([extra, torch.__version__]).encode())
+    files = [f"{n}.py" for n in LESSONS] + ["common.py", "measure.py", "model.py", "bucket.py",
+                                             "scripts/sweep.py"]
+    for name in files:
+        path = os.path.join(ROOT, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()[:16]
+
+
+def sweeps(worlds=None, flags=FLAGS):
+    """{world: {run name: report}}: every lesson at every world size, in ONE torchrun launch of
+    max(worlds) ranks (scripts/sweep.py re-forms the group for the smaller sizes); the ZeRO-3
+    timeline runs ride along at TIMELINE_WORLD ranks.
+
+    Kept in CACHE under a hash of the arguments and of every source file that could change the
+    result, so the second notebook (or a re-run) reuses a fresh result and never a stale one."""
+    worlds = sorted(worlds or WORLDS)
+    lessons = available_lessons()
+    extra = [r for r in TIMELINE if r not in lessons] if TIMELINE_WORLD in worlds else []
+    # per-operation sampling of parameter bytes (~2 ms an operation) only where it is plotted
+    track = [r for r in lessons + extra if r.startswith("06_zero3")]
+    key = _code_hash([worlds, lessons, extra, track, flags])
+    path = os.path.join(CACHE, f"sweep_{key}.json")
+    if not os.path.exists(path):
+        argv = [*flags, "--worlds", *map(str, worlds), "--lessons", *lessons, "--track-peak", *track]
+        if extra:
+            argv += ["--at", str(TIMELINE_WORLD), *extra]
+        result = launch("scripts/sweep", max(worlds), argv)  # torchrun ... sweep.py --report ...
+        os.makedirs(CACHE, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(path + ".tmp", path)  # whole or not at all
+    with open(path) as f:
+        return {int(w): r["reports"] for w, r in json.load(f)["worlds"].items()}
+
+
+def bandwidth(world=2):
+    """scripts/bandwidth.py at `world` ranks: a timing, so it is measured afresh every time."""
+    return launch("scripts/bandwidth", world, ["--quick"] if QUICK else [])
+
+
+# ----------------------------------------------------------------------------- figures
+def style():
+    """Large type and thick lines: the figures are read from the back of a lecture room."""
+    mpl.rcParams.update({
+        "figure.figsize": (13, 6.5), "figure.dpi": 80, "savefig.dpi": 110,
+        "font.size": 16, "axes.titlesize": 19, "axes.labelsize": 17, "legend.fontsize": 14,
+        "xtick.labelsize": 15, "ytick.labelsize": 15, "lines.linewidth": 3, "lines.markersize": 10,
+        "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3,
+        "hatch.linewidth": 1.5, "figure.constrained_layout.use": True,
+    })
+
+
+def save(fig, name):
+    """Show the figure; with FIGURES_DIR set, also write it as FIGURES_DIR/name.png."""
+    if FIGURES_DIR:
+        os.makedirs(FIGURES_DIR, exist_ok=True)
+        fig.savefig(os.path.join(FIGURES_DIR, f"{name}.png"), facecolor="white")
+    plt.show()
+
+
+def held(mem):
+    """A report's memory entry as the figure's categories: the optimizer state split into Adam's
+    moments (and step counters) and the fp32 master weights."""
+    return {"params": mem["params"], "grads": mem["grads"],
+            "moments": mem["optimizer"] - mem["master_weights"],
+            "master_weights": mem["master_weights"], "other": mem.get("other", 0)}

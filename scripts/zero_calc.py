@@ -1,0 +1,108 @@
+"""Model-state memory per device under DP and ZeRO-1/2/3, as in the ZeRO paper's Tables 1 and 2.
+
+    python scripts/zero_calc.py --params 7.5B --world 64              # every stage: 120, 31.4, 16.6, 1.88 GB
+    python scripts/zero_calc.py --params 1T --world 1 4 16 64 256 1024
+    python scripts/zero_calc.py --fit 32GB --world 64 --stage 3       # the largest model that fits: 128B
+    python scripts/zero_calc.py --fit 80GiB --world 8 --k 16          # every stage, 16 bytes of optimizer state
+    python scripts/zero_calc.py --table1                              # the paper's Table 1, recomputed
+
+Model states only (Rajbhandari et al. 2020, section 3.1): 2 bytes of fp16/bf16 parameters, 2 of
+gradients and K of optimizer state per parameter (K = 12 for mixed-precision Adam: fp32 master
+weights and two fp32 moments). Activations, buffers and fragmentation come on top. GB = 10^9
+bytes, as in the paper; GiB = 2^30.
+"""
+import argparse
+import math
+import os
+import re
+import sys
+from decimal import ROUND_HALF_UP, Decimal
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from measure import largest_model, model_state_bytes  # noqa: E402
+
+STAGES = {0: "DP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
+_COUNT = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_BYTES = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def parse_count(text):
+    """'7.5B', '7.5e9', '1T', '350M' -> a number of parameters."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 7.5B, 7.5e9, 1T)")
+    return float(m.group(1)) * _COUNT[m.group(2).upper()]
+
+
+def parse_bytes(text):
+    """'32GB' (10^9), '80GiB' (2^30), '1.5e10' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([KMGT]?I?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 32GB, 80GiB)")
+    return float(m.group(1)) * _BYTES[(m.group(2) or "").upper()]
+
+
+def gb(x):
+    """As Table 1 prints its 7.5B column: three significant digits, at most two decimals, half
+    up (120, 41.3, 1.88, 0.47). (Its 128B and 1T columns cut the decimals off: 513 for 513.5.)"""
+    if x <= 0:
+        return "0"
+    decimals = max(0, 2 - math.floor(math.log10(x)))
+    decimals = min(decimals, 2) if x >= 0.1 else decimals
+    q = Decimal(x).quantize(Decimal(10) ** -decimals, rounding=ROUND_HALF_UP)
+    return f"{q.normalize() if decimals else q:,f}"
+
+
+def count(psi):
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if psi >= scale:
+            return f"{psi / scale:.3g}{unit}"
+    return f"{psi:.0f}"
+
+
+def per_device_table(psi, worlds, k, unit=1e9, unit_name="GB"):
+    lines = [f"Psi = {count(psi)} parameters, K = {k:g} bytes of optimizer state per parameter; "
+             f"model states per device, {unit_name}",
+             f"{'devices':>8} " + " ".join(f"{STAGES[s]:>18}" for s in STAGES)]
+    for n in worlds:
+        lines.append(f"{n:>8} " + " ".join(f"{gb(model_state_bytes(s, psi, n, k) / unit):>18}" for s in STAGES))
+    return "\n".join(lines)
+
+
+def fit_table(memory, worlds, stages, k):
+    lines = [f"largest model whose model states fit in {memory / 1e9:g} GB per device "
+             f"({memory / 2 ** 30:.3g} GiB), K = {k:g}",
+             f"{'devices':>8} " + " ".join(f"{STAGES[s]:>18}" for s in stages)]
+    for n in worlds:
+        lines.append(f"{n:>8} " + " ".join(f"{count(largest_model(memory, n, s, k)):>18}" for s in stages))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=parse_count, help="parameters, Psi: 7.5B, 7.5e9, 1T")
+    what.add_argument("--fit", type=parse_bytes, metavar="MEMORY", help="memory per device: 32GB, 80GiB")
+    what.add_argument("--table1", action="store_true", help="the ZeRO paper's Table 1, recomputed")
+    p.add_argument("--world", type=int, nargs="+", default=[64], help="devices (data-parallel degree)")
+    p.add_argument("--stage", type=int, choices=sorted(STAGES), help="only this stage (with --fit)")
+    p.add_argument("--k", type=float, default=12, help="bytes of optimizer state per parameter")
+    p.add_argument("--gib", action="store_true", help="print GiB (2^30) instead of the paper's GB (10^9)")
+    a = p.parse_args(argv)
+    if any(n < 1 for n in a.world):
+        p.error("--world must be at least 1")
+    unit, unit_name = (2 ** 30, "GiB") if a.gib else (1e9, "GB")
+    if a.table1:
+        for psi in (7.5e9, 128e9, 1e12):
+            print(per_device_table(psi, [1, 4, 16, 64, 256, 1024], a.k, unit, unit_name) + "\n")
+        print("The paper prints the 7.5B column rounded like this, but cuts the decimals off in the\n"
+              "128B and 1T columns: 513 for 513.5, 4187 for 4187.5 (tests/test_calculator.py).")
+    elif a.params is not None:
+        print(per_device_table(a.params, a.world, a.k, unit, unit_name))
+    else:
+        print(fit_table(a.fit, a.world, [a.stage] if a.stage is not None else sorted(STAGES), a.k))
+
+
+if __name__ == "__main__":
+    main()
