@@ -39,7 +39,8 @@ class VanillaDP(nn.Module):
     def all_reduce_gradients(self):
         # Each rank's loss is the mean over its own rows; the global loss is the mean of those
         # means, so the global gradient is the SUM of the ranks' gradients divided by N.
-        # (gloo has no AVG; dividing first, as DDP does, keeps the sum from overflowing in bf16.)
+        # (Dividing first, as DDP does, keeps a bf16 sum from overflowing, and works on every
+        # backend: older gloo had no ReduceOp.AVG.)
         # model.parameters() yields a tied parameter once, so it is reduced once.
         for p in self.module.parameters():
             if p.grad is None:  # frozen, or unused in this forward on every rank

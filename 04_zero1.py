@@ -91,7 +91,7 @@ class ZeRO1Optimizer:
         # gradient for my shard and nothing else. An all-reduce and then a slice would give the
         # same numbers but send 2 Psi (N-1)/N elements, and the all-gather in 3) another
         # Psi (N-1)/N: 50% more than 01. A reduce-scatter sends Psi (N-1)/N, so 1) + 3) cost
-        # exactly one all-reduce. (gloo has no AVG: divide first, then SUM, as in 01.)
+        # exactly one all-reduce. (Divide first, then SUM, as in 01.)
         self.flat_grad.div_(self.world_size)
         grad_shard = torch.empty_like(self.param_shard)  # (numel_padded / N,)
         dist.reduce_scatter_single(grad_shard, self.flat_grad)  # was reduce_scatter_tensor

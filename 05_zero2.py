@@ -104,7 +104,7 @@ class ZeRO2Optimizer:
     def _reduce_scatter(self, bucket):
         """BucketManager's launch(bucket): called during backward, as soon as a bucket is full."""
         # 1) reduce-scatter the bucket's gradient, averaged, asynchronously: backward goes on
-        # with earlier layers while it runs. (gloo has no AVG: divide first, then SUM, as in 01.)
+        # with earlier layers while it runs. (Divide first, then SUM, as in 01.)
         bucket.buffer.div_(self.world_size)
         grad_shard = torch.empty(bucket.numel_padded // self.world_size, dtype=bucket.dtype,
                                  device=bucket.device)  # (numel_padded / N,)

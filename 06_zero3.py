@@ -239,7 +239,7 @@ class ZeRO3:
             unit.flat_grad = torch.zeros(unit.numel_padded, dtype=unit.param_shard.dtype,
                                          device=unit.param_shard.device)
         # 5) averaged over the global batch: each rank's loss is the mean over its rows, so the
-        # global gradient is the SUM over ranks divided by N (gloo has no AVG: divide first).
+        # global gradient is the SUM over ranks divided by N (divide first, as in 01).
         unit.flat_grad.div_(self.world_size)
         grad_shard = torch.empty_like(unit.param_shard)  # (numel_padded / N,)
         # (reduce_scatter_single is the torch 2.13 name of reduce_scatter_tensor)

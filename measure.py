@@ -62,10 +62,14 @@ RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n,
                "broadcast": lambda n: (n - 1) / n}
 
 
-def theory_ring_bytes(strategy, psi, world, precision):
+def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1):
     """ZeRO paper section 7: 2 Psi elements per rank per step for DP, ZeRO-1 and ZeRO-2 (an
-    all-reduce, or a reduce-scatter plus an all-gather), 3 Psi for ZeRO-3; times (N-1)/N."""
-    elems = 3 * psi if strategy in ("zero3", "torch_fsdp2") else 2 * psi
+    all-reduce, or a reduce-scatter plus an all-gather), 3 Psi for ZeRO-3; times (N-1)/N.
+    With K micro-steps, ZeRO-2 reduce-scatters at each ((K + 1) Psi) and ZeRO-3 gathers and
+    reduce-scatters at each (3 K Psi): no rank holds a whole gradient to accumulate into."""
+    k = grad_accum
+    elems = {"zero2": (k + 1) * psi, "zero3": 3 * k * psi, "torch_fsdp2": 3 * k * psi,
+             "torch_fsdp2_noreshard": (k + 1) * psi}.get(strategy, 2 * psi)
     return elems * (world - 1) / world * STATE_BYTES[precision]["params"]
 
 
@@ -435,7 +439,8 @@ class Run:
             "comm": {"measured_step": a.measure_step, "per_rank": [g["ops"] for g in gathered],
                      "ops": gathered[0]["ops"],
                      "ring_bytes_per_step": gathered[0]["ring_bytes"],
-                     "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision),
+                     "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision,
+                                                                       a.grad_accum),
                      # bytes each rank's process actually wrote (gloo on Linux; None elsewhere)
                      "wire_bytes_per_rank": [g["wire_bytes"] for g in gathered]},
             "memory": {"per_rank": [g["memory"] for g in gathered], "theory": mem_theory,
