@@ -1,5 +1,5 @@
 # The two commands of the quick start. Each sets up .venv (pinned, torch first) when missing.
-.PHONY: demo test bench figures setup
+.PHONY: demo test bench figures setup lecture diffs
 export OMP_NUM_THREADS ?= 1
 export PYTHONWARNINGS ?= ignore::FutureWarning
 
@@ -17,3 +17,9 @@ bench: setup     ## step time of 01-03 against PyTorch's DDP, interleaved, as a 
 
 figures: setup   ## regenerate the README's figures from fresh runs
 	.venv/bin/python scripts/figures.py
+
+lecture: setup   ## the lecture run: 01 -> 06 at 2 ranks in one launch, one table (about 2 minutes)
+	.venv/bin/python scripts/lecture.py
+
+diffs: setup     ## regenerate docs/diffs/ (the diff between consecutive lessons)
+	.venv/bin/python scripts/diffs.py

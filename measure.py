@@ -459,8 +459,10 @@ class Run:
               f" | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")
         m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
         row = " | ".join(f"{k} {m.get(k, 0) / mib:.2f} (theory {th[k] / mib:.2f})"
-                         for k in ("params", "grads", "optimizer", "peak_params")
-                         if m.get(k, 0) is not None)  # peak_params: None when not tracked
+                         for k in ("params", "grads", "optimizer"))
+        if m.get("peak_params") is not None:  # None when not tracked
+            # ZeRO-3 adds the units gathered in flight to its shards; no formula, a measurement
+            row += f" | peak_params {m['peak_params'] / mib:.2f} during the step"
         print(f"  memory rank 0, MiB at rest: {row}"
               + (f" | other {m['other'] / mib:.2f}" if m.get("other") else "")
               + (f" | init peak {m['init_peak'] / mib:.2f}" if m.get("init_peak") else ""), flush=True)

@@ -165,3 +165,22 @@ def toy_reference_grads(steps=4, lr=1e-2):
         opt.step()
         opt.zero_grad()
     return grads
+
+
+# ----------------------------------------------------------------------------- comparisons
+def close(a, b, tol):
+    """Two runs ({"losses", "params"}) agree within `tol` (each test file says why its tol)."""
+    torch.testing.assert_close(a["losses"], b["losses"], **tol)
+    assert a["params"].keys() == b["params"].keys()
+    for name in a["params"]:
+        torch.testing.assert_close(a["params"][name], b["params"][name], **tol, msg=name)
+
+
+def grads_close(got, want, tol):
+    """Per-step gradients agree; a parameter with no gradient in `want` has none or zeros."""
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        for name in w:
+            torch.testing.assert_close(g[name], w[name], **tol, msg=f"step {step} {name}")
+        for name in g.keys() - w.keys():
+            assert not g[name].any(), f"step {step} {name}: a gradient out of nothing"

@@ -4,6 +4,7 @@ import functools
 import pytest
 import torch
 
+import harness
 from harness import gpt_train, recording, reference, run_lesson, spawn, toy_reference_grads
 from lessons import build
 from toy import toy_reference, toy_train
@@ -44,11 +45,7 @@ def results(world):
     return spawn(world, suite, world)
 
 
-def close(a, b):
-    torch.testing.assert_close(a["losses"], b["losses"], **TOL)
-    assert a["params"].keys() == b["params"].keys()
-    for name in a["params"]:
-        torch.testing.assert_close(a["params"][name], b["params"][name], **TOL, msg=name)
+close = functools.partial(harness.close, tol=TOL)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

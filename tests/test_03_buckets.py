@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import harness
 from harness import gpt_train, recording, reference, run_lesson, spawn, toy_reference_grads
 from lessons import build
 from measure import CommMeter
@@ -104,20 +105,10 @@ def results(world):
 
 
 # ----------------------------------------------------------------------------- comparisons
-def close(a, b, tol=TOL):
-    torch.testing.assert_close(a["losses"], b["losses"], **tol)
-    assert a["params"].keys() == b["params"].keys()
-    for name in a["params"]:
-        torch.testing.assert_close(a["params"][name], b["params"][name], **tol, msg=name)
+close = functools.partial(harness.close, tol=TOL)
 
 
-def grads_close(got, want):
-    assert len(got) == len(want)
-    for step, (g, w) in enumerate(zip(got, want)):
-        for name in w:
-            torch.testing.assert_close(g[name], w[name], **GRAD_TOL, msg=f"step {step} {name}")
-        for name in g.keys() - w.keys():  # no gradient in the reference: none, or zeros
-            assert not g[name].any(), f"step {step} {name}: a gradient out of nothing"
+grads_close = functools.partial(harness.grads_close, tol=GRAD_TOL)
 
 
 def all_reduces(report):

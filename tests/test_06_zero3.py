@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import harness
 from harness import gpt_train, load_lesson, reference, run_lesson, spawn
 from lessons import build
 from model import GPT
@@ -78,11 +79,7 @@ def results(world):
     return spawn(world, suite, world)
 
 
-def close(a, b, tol=TOL):
-    torch.testing.assert_close(a["losses"], b["losses"], **tol)
-    assert a["params"].keys() == b["params"].keys()
-    for name in a["params"]:
-        torch.testing.assert_close(a["params"][name], b["params"][name], **tol, msg=name)
+close = functools.partial(harness.close, tol=TOL)
 
 
 # ----------------------------------------------------------------------------- parity

@@ -1,0 +1,89 @@
+"""The lecture run: every lesson, 01 -> 06, at 2 ranks on CPU, in one launch, then one table.
+
+    make lecture                                   # or: .venv/bin/python scripts/lecture.py
+    .venv/bin/python scripts/lecture.py --steps 20 --n-layer 2     # any lesson flag passes through
+    .venv/bin/python scripts/lecture.py --figures  # then regenerate the figures (scripts/figures.py --quick)
+
+One torchrun launch runs all six lessons back to back (scripts/sweep.py: start-up is paid once,
+about 6 s, instead of six times). The lessons' own output (per-step lines, summaries, torchrun's
+and the libraries' messages, every rank's) is captured; what is printed is one header line and
+one table. It is shown only if the run fails.
+
+Columns: the loss after K steps, with a check mark when it equals 01's to 4 decimals (in fp32
+every lesson computes the same training as single-process training, to float round-off); the
+median step time; the ring bytes each rank sends per optimizer step against the ZeRO paper's
+2Psi (3Psi for ZeRO-3) times (N-1)/N; the bytes each rank holds at rest, by category, against
+the paper's formula for that stage. Measured bytes include a few extras the formula leaves out
+(the 4-byte gradient-norm all-reduce, shard padding); they disappear at the printed precision.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runs import available_lessons  # noqa: E402
+
+CHECK, CROSS = "\u2713", "\u2717"
+
+
+def run_sweep(nproc, steps, flags):
+    """All lessons in one torchrun launch; return {lesson: report}. Raise with the output if it fails."""
+    lessons = available_lessons()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "sweep.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               os.path.join(ROOT, "scripts", "sweep.py"), "--report", path, "--lessons", *lessons,
+               "--track-peak",  # no per-operation sampling: the table shows memory at rest
+               "--steps", str(steps), "--log-every", str(max(steps, 1)), *flags]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True)
+        if proc.returncode != 0 or not os.path.exists(path):
+            sys.stderr.write(proc.stdout + proc.stderr)
+            raise SystemExit(f"lecture: {' '.join(cmd)} exited {proc.returncode}")
+        with open(path) as f:
+            out = json.load(f)
+    return out["worlds"][str(nproc)]["reports"]
+
+
+def table(reports, steps, nproc):
+    first = next(iter(reports.values()))
+    fmt = lambda b: f"{b / 2 ** 20:.3f}"  # noqa: E731  MiB
+    cols = [("lesson", 18, "<"), ("loss", 8, ">"), ("", 1, "<"), ("step ms", 8, ">"),
+            ("sent", 7, ">"), ("theory", 7, ">"), ("params", 7, ">"), ("theory", 7, ">"),
+            ("grads", 7, ">"), ("theory", 7, ">"), ("optim", 7, ">"), ("theory", 7, ">")]  # (title, width, align)
+    line = lambda cells: " ".join(f"{c:{a}{w}}" for c, (_, w, a) in zip(cells, cols)).rstrip()  # noqa: E731
+    ref = round(reports[next(iter(reports))]["losses"][-1], 4)
+    rows = []
+    for lesson, r in reports.items():
+        loss = r["losses"][-1]
+        m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
+        rows.append(line([lesson, f"{loss:.4f}", CHECK if round(loss, 4) == ref else CROSS,
+                          f"{1e3 * statistics.median(r['step_time_s']):.1f}",
+                          fmt(r["comm"]["ring_bytes_per_step"]), fmt(r["comm"]["theory_ring_bytes_per_step"]),
+                          fmt(m["params"]), fmt(th["params"]), fmt(m["grads"]), fmt(th["grads"]),
+                          fmt(m["optimizer"]), fmt(th["optimizer"])]))
+    header = line([c for c, _, _ in cols])
+    title = (f"{nproc} ranks, {first['precision']}, Psi = {first['n_params']:,}, loss after {steps} steps "
+             f"({CHECK} = 01's to 4 decimals); MiB per rank: sent per step, held at rest, each vs theory")
+    return "\n".join([title, header, "-" * len(header), *rows])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (CPU, gloo)")
+    p.add_argument("--steps", type=int, default=80, help="K, optimizer steps per lesson")
+    p.add_argument("--figures", action="store_true", help="afterwards, run scripts/figures.py --quick")
+    a, flags = p.parse_known_args()  # the rest goes to every lesson (e.g. --n-layer 2)
+    reports = run_sweep(a.nproc, a.steps, flags)
+    print(table(reports, a.steps, a.nproc), flush=True)
+    if a.figures:
+        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "figures.py"), "--quick"], cwd=ROOT, check=True)
+
+
+if __name__ == "__main__":
+    main()

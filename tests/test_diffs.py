@@ -1,0 +1,18 @@
+"""docs/diffs/ holds the diffs between consecutive lessons; they must match the lessons."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import diffs  # noqa: E402
+
+
+def test_diffs_are_up_to_date():
+    assert len(diffs.expected()) == len(diffs.available_lessons()) - 1
+    assert diffs.stale() == [], "lessons changed: run `make diffs` (python scripts/diffs.py)"
+
+
+def test_diffs_are_stable():
+    # the same lessons give byte-identical output (no timestamps, no dict-order effects)
+    assert diffs.expected() == diffs.expected()
+    for text in diffs.expected().values():
+        assert text.startswith(diffs.HEADER) and "\n--- " in text and "\n+++ " in text
