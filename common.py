@@ -55,6 +55,8 @@ def build_parser(description=""):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--measure-step", type=int, default=2,
                    help="the step whose communication and memory are measured")
+    p.add_argument("--peak-params", type=int, choices=[0, 1], default=1,
+                   help="sample parameter bytes after every op of the measured step (slow); 0 skips")
     p.add_argument("--report", metavar="PATH", default=None, help="write a JSON report (rank 0)")
     return p
 

@@ -388,7 +388,7 @@ class Run:
 
         self.optimizer.step = step_with_sample
         probe = _PeakParams(self.ledger)
-        track = self.track_peak_params
+        track = self.track_peak_params and getattr(self.args, "peak_params", 1)
         try:
             with probe if track else nullcontext():
                 if track:

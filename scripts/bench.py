@@ -9,6 +9,7 @@ lesson's ratio to its PyTorch counterpart measured in the same rounds.
 """
 import argparse
 import json
+import os
 import platform
 import statistics
 
@@ -29,6 +30,10 @@ CONFIGS = {
 }
 
 
+# the many-small model is about per-call latency: 01-03 against DDP
+CONFIG_LESSONS = {"many-small": ["01_vanilla_dp", "02_async_allreduce", "03_buckets"]}
+
+
 def variants(lessons):
     out = []
     for lesson in lessons:
@@ -42,13 +47,31 @@ def variants(lessons):
 
 
 def run_one(kind, name, nproc, steps, extra):
-    args = ["--steps", steps, "--log-every", 10 ** 6, *extra]
+    # the measured step (the last) samples memory after every op: seconds; it is not timed
+    args = ["--steps", steps, "--log-every", 10 ** 6, "--measure-step", steps - 1, "--peak-params", 0, *extra]
     if kind == "torch":
         report = launch("scripts/torch_reference", nproc, ["--impl", name, *args])
     else:
         report = launch(name, nproc, args + (["--prefetch", "0"] if kind == "lesson-noprefetch" else []))
-    times = report["step_time_s"][3:]  # drop warm-up: first-touch allocation, lazy optimizer state
+    times = report["step_time_s"][3:-1]  # drop warm-up (first-touch allocation, lazy optimizer
+    # state) and the measured last step
     return statistics.median(times), report
+
+
+def table_for(config, todo, medians, info):
+    """A markdown table: median step time, spread, ratio to the PyTorch counterpart, tokens/s."""
+    psi = next(iter(info.values()))["n_params"]
+    rows = [f"\n**{config}** (Psi = {psi:,} parameters)\n",
+            "| run | median step (ms) | spread (ms) | vs PyTorch | tokens/s |", "|---|---:|---:|---:|---:|"]
+    for v in todo:
+        kind, name = v
+        med = statistics.median(medians[v])
+        ref = statistics.median(medians[("torch", COUNTERPART.get(name, name))]) if kind != "torch" else med
+        label = LABEL[name] if kind == "torch" else name + (" --prefetch 0" if kind == "lesson-noprefetch" else "")
+        tokens = info[v]["config"]["global_batch"] * info[v]["config"]["seq_len"]
+        rows.append(f"| {label} | {1e3 * med:.1f} | {1e3 * min(medians[v]):.1f}-{1e3 * max(medians[v]):.1f} "
+                    f"| {'' if kind == 'torch' else f'{med / ref:.2f}x'} | {tokens / med:,.0f} |")
+    return "\n".join(rows)
 
 
 def main():
@@ -63,7 +86,7 @@ def main():
     lessons = a.lessons or available_lessons()
     results = {}
     for config in a.configs:
-        todo = variants(lessons)
+        todo = variants([l for l in lessons if l in CONFIG_LESSONS.get(config, lessons)])
         medians = {v: [] for v in todo}
         info = {}
         for r in range(a.rounds):
@@ -73,23 +96,11 @@ def main():
                 info[v] = report
             print(f"[{config}] round {r + 1}/{a.rounds} done", flush=True)
         results[config] = (todo, medians, info)
+        print(table_for(config, todo, medians, info), flush=True)  # as soon as it is known
     print(f"\n{a.nproc} ranks, CPU (gloo), {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, {a.rounds} interleaved rounds x {a.steps} steps")
-    table = []
+          f"{os.cpu_count()} cores, torch {torch.__version__}, {a.rounds} interleaved rounds x {a.steps} steps")
     for config, (todo, medians, info) in results.items():
-        psi = next(iter(info.values()))["n_params"]
-        table.append(f"\n**{config}** (Psi = {psi:,} parameters)\n")
-        table.append("| run | median step (ms) | spread (ms) | vs PyTorch | tokens/s |")
-        table.append("|---|---:|---:|---:|---:|")
-        for v in todo:
-            kind, name = v
-            med = statistics.median(medians[v])
-            ref = statistics.median(medians[("torch", COUNTERPART.get(name, name))]) if kind != "torch" else med
-            label = LABEL[name] if kind == "torch" else name + (" --prefetch 0" if kind == "lesson-noprefetch" else "")
-            tokens = info[v]["config"]["global_batch"] * info[v]["config"]["seq_len"]
-            table.append(f"| {label} | {1e3 * med:.1f} | {1e3 * min(medians[v]):.1f}-{1e3 * max(medians[v]):.1f} "
-                         f"| {'' if kind == 'torch' else f'{med / ref:.2f}x'} | {tokens / med:,.0f} |")
-    print("\n".join(table))
+        print(table_for(config, todo, medians, info))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({c: {f"{k}:{n}": m for (k, n), m in med.items()} for c, (_, med, _) in results.items()}, f, indent=1)
