@@ -58,6 +58,8 @@ def build_parser(description=""):
     p.add_argument("--peak-params", type=int, choices=[0, 1], default=1,
                    help="sample parameter bytes after every op of the measured step (slow); 0 skips")
     p.add_argument("--report", metavar="PATH", default=None, help="write a JSON report (rank 0)")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="profile the measured step: DIR/trace_rank{r}.json per rank, DIR/timeline.png")
     return p
 
 

@@ -115,6 +115,12 @@ class CommMeter:
         self.world = world_size
         self.ops = {}
         self.wire_bytes = None  # what this process wrote while measuring (Linux, gloo): see bytes_written
+        # Overlap, timed in the wrappers (perf_counter seconds): a collective's span runs from the
+        # call (issue) to its completion; for an async one, completion = when its wait() returns,
+        # an upper bound (gloo may finish earlier on its own threads; nothing cheaper observes it).
+        # `blocked` holds the intervals the calling thread spent inside a blocking collective or
+        # a wait(): communication it did not hide behind compute.
+        self.spans, self.blocked, self.window = [], [], None
 
     def _record(self, kind, tensor):
         entry = self.ops.setdefault(kind, {"calls": 0, "bytes": 0})
@@ -130,8 +136,18 @@ class CommMeter:
             signature = inspect.signature(fn)
 
             def metered(*args, **kwargs):
-                self._record(kind, signature.bind(*args, **kwargs).arguments[arg])
-                return fn(*args, **kwargs)
+                bound = signature.bind(*args, **kwargs)
+                self._record(kind, bound.arguments[arg])
+                t0 = time.perf_counter()
+                work = fn(*args, **kwargs)
+                if work is None or not bound.arguments.get("async_op"):
+                    t1 = time.perf_counter()
+                    self.spans.append([kind, t0, t1])
+                    self.blocked.append([t0, t1])
+                    return work
+                span = [kind, t0, None]  # completed by _TimedWork.wait, or at the step's end
+                self.spans.append(span)
+                return _TimedWork(work, span, self.blocked)
             return fn, metered
 
         for name, (kind, arg) in _COLLECTIVES.items():
@@ -141,16 +157,72 @@ class CommMeter:
             originals[name] = getattr(dist, name)
             setattr(dist, name, _unmetered(name))
         written = bytes_written()
+        start = time.perf_counter()
         try:
             yield self
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+            self.window = (start, time.perf_counter())
         if written is not None:  # the step is over, so every collective it issued has completed
             self.wire_bytes = bytes_written() - written
 
     def ring_bytes(self):
         return sum(RING_FACTOR[k](self.world) * v["bytes"] for k, v in self.ops.items())
+
+    def overlap(self):
+        """comm = union of the collectives' spans within the measured step; exposed = union of
+        the intervals the calling thread was blocked on them; hidden share = 1 - exposed / comm.
+        A collective still in flight when the step ends (06 prefetching the next step's first
+        unit) counts up to the step's end; its later wait() lies outside the step."""
+        if self.window is None:
+            return None
+        start, end = self.window
+        spans = [(max(a, start), min(end if b is None else b, end)) for _, a, b in self.spans]
+        blocked = [(max(a, start), min(b, end)) for a, b in self.blocked]
+        comm, exposed = _union(spans), _union(blocked)
+        return {"comm_ms": comm * 1e3, "exposed_ms": exposed * 1e3,
+                "hidden_share": 1 - exposed / comm if comm > 0 else 0.0}
+
+    def timeline(self):
+        """Spans in ms from the start of the measured step, for the chart: [kind, start, end]."""
+        if self.window is None:
+            return None
+        start, end = self.window
+        ms = lambda t: (min(t, end) - start) * 1e3
+        return {"step_ms": ms(end),
+                "comm": [[k, ms(a), ms(end if b is None else b)] for k, a, b in self.spans if a < end],
+                "blocked": [[ms(a), ms(b)] for a, b in self.blocked if a < end]}
+
+
+def _union(intervals):
+    """Total length covered by a set of [a, b] intervals."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+class _TimedWork:
+    """An async collective's Work, passed through, whose wait() records its completion time and
+    the time the caller spent blocked in it. Only collectives issued in the measured step get one."""
+
+    def __init__(self, work, span, blocked):
+        self._work, self._span, self._blocked = work, span, blocked
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self._work.wait(*args, **kwargs)
+        t1 = time.perf_counter()
+        if self._span[2] is None:
+            self._span[2] = t1
+        self._blocked.append([t0, t1])
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def bytes_written():
@@ -358,7 +430,7 @@ class Run:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         if measure:
-            with self.comm.measuring(), self._memory_probe():
+            with self._profiler(), self.comm.measuring(), self._memory_probe():
                 yield micro_losses
         else:
             yield micro_losses
@@ -371,6 +443,21 @@ class Run:
         self.losses.append(loss.item() / self.env.world_size)
         if self.env.master and (step % self.args.log_every == 0 or step == self.args.steps - 1):
             self._log(step)
+
+    @contextmanager
+    def _profiler(self):
+        """--trace DIR: torch.profiler over the measured step, a Chrome/Perfetto trace per rank."""
+        trace_dir = getattr(self.args, "trace", None)
+        if not trace_dir:
+            yield
+            return
+        import os
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.env.device.type == "cuda" else [])
+        os.makedirs(trace_dir, exist_ok=True)
+        with profile(activities=activities) as prof:
+            yield
+        prof.export_chrome_trace(os.path.join(trace_dir, f"trace_rank{self.env.rank}.json"))
 
     @contextmanager
     def _memory_probe(self):
@@ -409,7 +496,8 @@ class Run:
         """Gather every rank's measurements to rank 0, print the summary, write the report."""
         measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params},
                     "ops": self.comm.ops, "ring_bytes": self.comm.ring_bytes(),
-                    "wire_bytes": self.comm.wire_bytes}
+                    "wire_bytes": self.comm.wire_bytes, "overlap": self.comm.overlap(),
+                    "timeline": self.comm.timeline() if getattr(self.args, "trace", None) else None}
         if self.env.master:  # rank 0's parameter bytes over the measured step
             measured["params_timeline"] = getattr(self, "params_timeline", None)
         if self.init_peak is not None:
@@ -425,6 +513,9 @@ class Run:
             if self.args.report:
                 with open(self.args.report, "w") as f:
                     json.dump(report, f, indent=1)
+            if getattr(self.args, "trace", None):
+                plot_timeline([g["timeline"] for g in gathered], report["strategy"],
+                              f"{self.args.trace}/timeline.png")
         return gathered
 
     def report(self, gathered):
@@ -442,7 +533,10 @@ class Run:
                      "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision,
                                                                        a.grad_accum),
                      # bytes each rank's process actually wrote (gloo on Linux; None elsewhere)
-                     "wire_bytes_per_rank": [g["wire_bytes"] for g in gathered]},
+                     "wire_bytes_per_rank": [g["wire_bytes"] for g in gathered],
+                     # rank 0's; CommMeter.overlap gives the definition
+                     "overlap": gathered[0]["overlap"],
+                     "overlap_per_rank": [g["overlap"] for g in gathered]},
             "memory": {"per_rank": [g["memory"] for g in gathered], "theory": mem_theory,
                        "params_timeline": gathered[0].get("params_timeline")},
         }
@@ -457,6 +551,10 @@ class Run:
         print(f"  comm per rank per step (step {comm['measured_step']}): {ops or 'none'}")
         print(f"  ring bytes sent per rank: measured {comm['ring_bytes_per_step'] / mib:.3f} MiB"
               f" | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")
+        ov = comm.get("overlap")
+        if ov is not None:
+            print(f"  overlap rank 0: comm {ov['comm_ms']:.1f} ms (issue to completion) | exposed "
+                  f"{ov['exposed_ms']:.1f} ms (blocked in wait) | hidden {ov['hidden_share']:.0%}")
         m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
         row = " | ".join(f"{k} {m.get(k, 0) / mib:.2f} (theory {th[k] / mib:.2f})"
                          for k in ("params", "grads", "optimizer"))
@@ -466,6 +564,38 @@ class Run:
         print(f"  memory rank 0, MiB at rest: {row}"
               + (f" | other {m['other'] / mib:.2f}" if m.get("other") else "")
               + (f" | init peak {m['init_peak'] / mib:.2f}" if m.get("init_peak") else ""), flush=True)
+
+
+def plot_timeline(timelines, strategy, path):
+    """The measured step per rank: communication spans (issue to completion), the intervals the
+    main thread was blocked on them, and compute = the rest of the main thread's time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {"all_reduce": "tab:blue", "reduce_scatter": "tab:orange", "all_gather": "tab:green",
+              "broadcast": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 1.1 * len(timelines)))
+    labelled = set()
+
+    def bar(y, a, b, h, color, label):
+        ax.broken_barh([(a, max(b - a, 1e-3))], (y, h), facecolors=color, alpha=0.6 if "comm" in label else 1,
+                       label=None if label in labelled else label)
+        labelled.add(label)
+
+    for rank, tl in enumerate(timelines):
+        y = rank * 1.1
+        bar(y + 0.55, 0, tl["step_ms"], 0.4, "lightgray", "main thread: compute")
+        for a, b in tl["blocked"]:
+            bar(y + 0.55, a, b, 0.4, "tab:red", "main thread: blocked in collective / wait()")
+        for kind, a, b in tl["comm"]:
+            bar(y + 0.05, a, b, 0.4, colors.get(kind, "tab:gray"), f"comm in flight: {kind}")
+    ax.set_yticks([r * 1.1 + 0.5 for r in range(len(timelines))], [f"rank {r}" for r in range(len(timelines))])
+    ax.set_xlabel("time since the measured step began (ms)")
+    ax.set_title(f"{strategy}: compute vs communication over the measured step")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _memory_now(env):
