@@ -6,7 +6,9 @@ Nothing here calls a collective on the lessons' behalf; the lessons do that on t
 import argparse
 import functools
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -85,6 +87,8 @@ def parse_args(argv=None, description=""):
     if args.device == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         fail(f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks on this node but only "
              f"{torch.cuda.device_count()} GPUs: one GPU per rank")
+    if args.precision == "bf16" and args.device == "cuda" and not torch.cuda.is_bf16_supported():
+        fail(f"--precision bf16: {torch.cuda.get_device_name()} has no bfloat16 support (use fp32)")
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
     return args
 
@@ -133,7 +137,49 @@ def init_distributed(args) -> Dist:
             device = torch.device("cuda", 0)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if dist.get_world_size() > 1:
+        _start_heartbeat(dist.get_rank())
     return Dist(dist.get_rank(), dist.get_world_size(), device, backend)
+
+
+# A dead peer shows up as "Connection closed by peer [address]" from the collective that needed
+# it: an address, not a rank, and on a ring every rank behind it fails the same way. To name the
+# lost rank, every rank bumps a counter in the rendezvous store (torchrun's agent, or rank 0)
+# once a second from a daemon thread; after a failure, a counter that stopped moving is a rank
+# that is gone. A rank that is alive but stuck in a collective keeps beating.
+HEARTBEAT_S = 1.0
+_heartbeat = None
+
+
+def _start_heartbeat(rank):
+    global _heartbeat
+    if _heartbeat is not None and _heartbeat.is_alive():  # main() run again in one process (tests)
+        return
+    store = dist.distributed_c10d._get_default_store()
+
+    def beat():
+        while True:
+            try:
+                store.add(f"heartbeat/{rank}", 1)
+            except Exception:  # the store is gone: the failure path reports it
+                return
+            time.sleep(HEARTBEAT_S)
+
+    _heartbeat = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    _heartbeat.start()
+
+
+def lost_ranks():
+    """The ranks whose heartbeat stopped, watched for three beats; None if the store itself is
+    unreachable (then the rank or launcher that hosted it, rank 0's node, is the one lost)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"heartbeat/{r}" for r in range(dist.get_world_size())]
+        before = [store.add(k, 0) for k in keys]  # add 0: read a counter without blocking
+        time.sleep(3 * HEARTBEAT_S)
+        return [r for r, k in enumerate(keys) if store.add(k, 0) == before[r]]
+    except Exception:
+        return None
 
 
 def exit_process(code=0):
@@ -154,6 +200,12 @@ def exit_process(code=0):
 
 def run_main(main):
     """Run a lesson's main(): a clean one-line error for expected failures, then a clean exit."""
+    def stopped(signum, frame):  # torchrun stops the other ranks with SIGTERM when one fails
+        print(f"error (rank {os.environ.get('RANK', '0')}): stopped by the launcher (SIGTERM), "
+              "most likely because another rank failed: see the launcher's report", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
     try:
         main()
     except KeyboardInterrupt:
@@ -162,7 +214,15 @@ def run_main(main):
         if os.environ.get("DP_DEBUG"):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"error (rank {os.environ.get('RANK', '0')}): {type(e).__name__}: {first}"
+        rank = os.environ.get("RANK", "0")
+        collective = isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError)
+        if collective and dist.is_initialized() and dist.get_world_size() > 1:
+            lost = lost_ranks()  # a failed collective: say which peer is gone, if one is
+            if lost is None:
+                first = f"lost rank 0 (its rendezvous store is unreachable); {first}"
+            elif lost:
+                first = f"lost rank {', '.join(map(str, lost))} (no heartbeat for {3 * HEARTBEAT_S:.0f} s); {first}"
+        print(f"error (rank {rank}): {type(e).__name__}: {first}"
               " (DP_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
         exit_process(1)
     exit_process(0)
