@@ -1,5 +1,5 @@
 # The two commands of the quick start. Each sets up .venv (pinned, torch first) when missing.
-.PHONY: demo test bench figures setup lecture diffs
+.PHONY: demo test bench figures setup lecture diffs timelines
 export OMP_NUM_THREADS ?= 1
 export PYTHONWARNINGS ?= ignore::FutureWarning
 
@@ -23,3 +23,6 @@ lecture: setup   ## the lecture run: 01 -> 06 at 2 ranks in one launch, one tabl
 
 diffs: setup     ## regenerate docs/diffs/ (the diff between consecutive lessons)
 	.venv/bin/python scripts/diffs.py
+
+timelines: setup ## one traced step per lesson: overlap table, docs/figures/timeline_*.png (about 2 minutes)
+	.venv/bin/python scripts/timelines.py
