@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import checkpoint
 import common
 import measure
 
@@ -42,11 +43,16 @@ class VanillaDP(nn.Module):
         # (Dividing first, as DDP does, keeps a bf16 sum from overflowing, and works on every
         # backend: older gloo had no ReduceOp.AVG.)
         # model.parameters() yields a tied parameter once, so it is reduced once.
+        # ### BEGIN SOLUTION: average the gradients
+        # TODO: for every parameter of self.module that has a gradient (skip p.grad None),
+        #       make p.grad the mean over ranks, in place: divide by self.world_size, then
+        #       dist.all_reduce it (blocking, ReduceOp.SUM).
         for p in self.module.parameters():
             if p.grad is None:  # frozen, or unused in this forward on every rank
                 continue
             p.grad.div_(self.world_size)
             dist.all_reduce(p.grad)  # blocking: communication starts only after backward ends
+        # ### END SOLUTION
 
 
 # ----------------------------------------------------------------------------- training
@@ -56,9 +62,11 @@ def main(argv=None):
     model = VanillaDP(common.build_model(args, env))
     optimizer = common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
     run = measure.Run(args, env, "vanilla_dp", model.module, optimizer, holders=[model])
+    ckpt = checkpoint.Checkpointer(args, env, "vanilla_dp", model.module, optimizer)  # --checkpoint-dir
+    start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
                 x, y = common.get_batch(args, env, step, micro)
@@ -68,6 +76,7 @@ def main(argv=None):
             model.all_reduce_gradients()  # once per optimizer step, after the last micro-step
             optimizer.step()
             optimizer.zero_grad()
+        ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)
     ### TRAINING SECTION END
 
     run.finish()

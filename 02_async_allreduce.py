@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import checkpoint
 import common
 import measure
 
@@ -58,13 +59,21 @@ class AsyncAllReduceDP(nn.Module):
         # The global gradient is the SUM of the ranks' gradients divided by N (see 01).
         # Every rank's backward fires the hooks in the same order, so the i-th all-reduce of every
         # rank is the same parameter's: collectives are matched by the order they are issued.
+        # ### BEGIN SOLUTION: launch the gradient's all-reduce
+        # TODO: divide p.grad by self.world_size in place, then start its all-reduce without
+        #       waiting (dist.all_reduce(..., async_op=True)) and append the returned work
+        #       handle to self.handles.
         p.grad.div_(self.world_size)
         self.handles.append(dist.all_reduce(p.grad, async_op=True))  # returns at once
+        # ### END SOLUTION
 
     def finish_gradient_synchronization(self):
+        # ### BEGIN SOLUTION: wait for the all-reduces
+        # TODO: wait for every work handle in self.handles, then empty the list for the next step.
         for work in self.handles:  # the optimizer must not read a gradient still in flight
             work.wait()
         self.handles.clear()
+        # ### END SOLUTION
 
 
 # ----------------------------------------------------------------------------- training
@@ -74,9 +83,11 @@ def main(argv=None):
     model = AsyncAllReduceDP(common.build_model(args, env))
     optimizer = common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
     run = measure.Run(args, env, "async_allreduce", model.module, optimizer, holders=[model])
+    ckpt = checkpoint.Checkpointer(args, env, "async_allreduce", model.module, optimizer)  # --checkpoint-dir
+    start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
                 x, y = common.get_batch(args, env, step, micro)
@@ -89,6 +100,7 @@ def main(argv=None):
             model.finish_gradient_synchronization()  # wait for every all-reduce
             optimizer.step()
             optimizer.zero_grad()
+        ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)
     ### TRAINING SECTION END
 
     run.finish()

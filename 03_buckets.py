@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import checkpoint
 import common
 import measure
 from bucket import BucketManager
@@ -55,16 +56,20 @@ class BucketedDP(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @torch.no_grad()
-    def _grad_ready(self, p):
+    def _grad_ready(self, p):  # (BucketManager.ready runs under no_grad)
         if not self.require_backward_grad_sync:  # a non-final micro-step: just accumulate
             return
         self.buckets.ready(p)  # launches every bucket that is now full, in bucket order
 
     def _launch(self, bucket):
         # The global gradient is the SUM of the ranks' gradients divided by N (see 01).
+        # ### BEGIN SOLUTION: all-reduce one bucket
+        # TODO: average the whole bucket at once: divide bucket.buffer (numel,) by
+        #       self.world_size in place, start one async all-reduce of it and return its work
+        #       handle (the BucketManager waits for it in finish()).
         bucket.buffer.div_(self.world_size)  # (numel,) every gradient of the bucket at once
         return dist.all_reduce(bucket.buffer, async_op=True)  # one call per bucket
+        # ### END SOLUTION
 
     def finish_gradient_synchronization(self):
         # Launches any bucket still waiting on a gradient that never came (an unused parameter:
@@ -79,9 +84,11 @@ def main(argv=None):
     model = BucketedDP(common.build_model(args, env), bucket_cap_mb=args.bucket_mb)
     optimizer = common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
     run = measure.Run(args, env, "buckets", model.module, optimizer, holders=[model])
+    ckpt = checkpoint.Checkpointer(args, env, "buckets", model.module, optimizer)  # --checkpoint-dir
+    start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
                 x, y = common.get_batch(args, env, step, micro)
@@ -94,6 +101,7 @@ def main(argv=None):
             model.finish_gradient_synchronization()  # wait for every bucket
             optimizer.step()
             optimizer.zero_grad()  # in place: the grads must stay views of the buckets
+        ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)
     ### TRAINING SECTION END
 
     run.finish()

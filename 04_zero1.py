@@ -27,6 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import common
 import measure
 
@@ -77,8 +78,12 @@ class ZeRO1Optimizer:
                     dist.broadcast(p.data, src=0)
 
         # My shard: slice `rank` of the flat buffer, updated by me only.
+        # ### BEGIN SOLUTION: my shard of the flat buffer
+        # TODO: set self.param_shard to slice number self.rank of self.flat_param, shard_numel
+        #       elements long: a view (no copy), so updating it updates the parameters.
         start = self.rank * shard_numel
         self.param_shard = self.flat_param[start:start + shard_numel]  # (numel_padded / N,), a view
+        # ### END SOLUTION
         # fp32 master weights for my shard only: a copy in bf16 mode; in fp32 mode the shard is
         # its own master (.to returns the same tensor), so nothing is duplicated.
         self.master_shard = self.param_shard.to(torch.float32)  # (numel_padded / N,) fp32
@@ -92,9 +97,14 @@ class ZeRO1Optimizer:
         # same numbers but send 2 Psi (N-1)/N elements, and the all-gather in 3) another
         # Psi (N-1)/N: 50% more than 01. A reduce-scatter sends Psi (N-1)/N, so 1) + 3) cost
         # exactly one all-reduce. (Divide first, then SUM, as in 01.)
+        # ### BEGIN SOLUTION: 1) reduce-scatter the gradient
+        # TODO: divide self.flat_grad (numel_padded,) by self.world_size in place, then
+        #       reduce-scatter it (dist.reduce_scatter_single, torch 2.13's name of
+        #       reduce_scatter_tensor) into a new tensor grad_shard shaped like self.param_shard.
         self.flat_grad.div_(self.world_size)
         grad_shard = torch.empty_like(self.param_shard)  # (numel_padded / N,)
         dist.reduce_scatter_single(grad_shard, self.flat_grad)  # was reduce_scatter_tensor
+        # ### END SOLUTION
 
         # 2) AdamW on my shard, in fp32 (bf16 gradients are cast up first, as 01-03 do)
         self.master_shard.grad = grad_shard.float()
@@ -106,8 +116,13 @@ class ZeRO1Optimizer:
         # 3) cast my updated shard into the flat buffer (the same tensor in fp32 mode) and
         # all-gather every rank's into the flat buffer, so every parameter view is current. In
         # place: my shard already sits at its slot of the output, which NCCL and gloo allow.
+        # ### BEGIN SOLUTION: 3) all-gather the parameters
+        # TODO: copy self.master_shard into self.param_shard (casts to the working precision),
+        #       then all-gather every rank's param_shard into self.flat_param
+        #       (dist.all_gather_single, torch 2.13's name of all_gather_into_tensor).
         self.param_shard.copy_(self.master_shard)
         dist.all_gather_single(self.flat_param, self.param_shard)  # was all_gather_into_tensor
+        # ### END SOLUTION
 
     def clip_grad_norm_(self, grads):
         """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ but over all ranks' shards:
@@ -121,6 +136,14 @@ class ZeRO1Optimizer:
     def zero_grad(self):
         self.flat_grad.zero_()  # in place: every parameter's .grad must stay a view of it
 
+    def checkpoint_shards(self, names):
+        """For checkpoint.py: the flat buffer's layout and what I hold of it. I hold all the
+        parameters but write only my shard of them, with my master shard and its Adam moments."""
+        start, end = self.rank * self.param_shard.numel(), (self.rank + 1) * self.param_shard.numel()
+        return [checkpoint.FlatShard([(names[p], p.numel()) for p in self.params],
+                                     {"param": (0, self.flat_param), "master": (start, self.master_shard)},
+                                     owned=(start, end), optim=self.optim)]
+
 
 # ----------------------------------------------------------------------------- training
 def main(argv=None):
@@ -130,9 +153,11 @@ def main(argv=None):
     optimizer = ZeRO1Optimizer(model.parameters(), torch.optim.AdamW, grad_clip=args.grad_clip,
                                **common.adamw_kwargs(args))
     run = measure.Run(args, env, "zero1", model, optimizer)
+    ckpt = checkpoint.Checkpointer(args, env, "zero1", model, optimizer)  # --checkpoint-dir
+    start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
                 x, y = common.get_batch(args, env, step, micro)
@@ -142,6 +167,7 @@ def main(argv=None):
             # ZeRO-1 keeps the full gradient, so it communicates once per optimizer step:
             optimizer.step()  # 1) reduce-scatter  2) AdamW on my shard  3) all-gather
             optimizer.zero_grad()
+        ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END
 
     run.finish()

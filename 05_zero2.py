@@ -33,6 +33,7 @@ as the bandwidth allows. Where memory is plenty and bandwidth scarce, ZeRO-1 acc
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import common
 import measure
 from bucket import BucketManager
@@ -105,21 +106,32 @@ class ZeRO2Optimizer:
         """BucketManager's launch(bucket): called during backward, as soon as a bucket is full."""
         # 1) reduce-scatter the bucket's gradient, averaged, asynchronously: backward goes on
         # with earlier layers while it runs. (Divide first, then SUM, as in 01.)
+        # ### BEGIN SOLUTION: 1) reduce-scatter a full bucket
+        # TODO: divide bucket.buffer (numel_padded,) by self.world_size in place; allocate
+        #       grad_shard (numel_padded / N,) of the bucket's dtype and device, record it in
+        #       self.grad_shards_in_flight[bucket.index], and return the work handle of an async
+        #       dist.reduce_scatter_single (torch 2.13's reduce_scatter_tensor) into it.
         bucket.buffer.div_(self.world_size)
         grad_shard = torch.empty(bucket.numel_padded // self.world_size, dtype=bucket.dtype,
                                  device=bucket.device)  # (numel_padded / N,)
         self.grad_shards_in_flight[bucket.index] = grad_shard
         return dist.reduce_scatter_single(grad_shard, bucket.buffer, async_op=True)  # was reduce_scatter_tensor
+        # ### END SOLUTION
 
     @torch.no_grad()
     def _keep_my_shard(self, bucket):
         """BucketManager's on_done(bucket): keep my slice, drop the full-size buffer."""
+        # ### BEGIN SOLUTION: keep my slice, free the bucket
+        # TODO: take this bucket's reduce-scattered shard out of self.grad_shards_in_flight;
+        #       store it in self.grad_shards[bucket.index], or add it there if a micro-step
+        #       already left one; then drop the full-size buffer (bucket.buffer = None).
         grad_shard = self.grad_shards_in_flight.pop(bucket.index)
         if self.grad_shards[bucket.index] is None:
             self.grad_shards[bucket.index] = grad_shard
         else:  # a later micro-step: accumulate in the shard (see the docstring)
             self.grad_shards[bucket.index] += grad_shard
         bucket.buffer = None  # freed: the next bucket to fill gets the memory back
+        # ### END SOLUTION
 
     def finish_reduce_scatter(self):
         """After each backward: launch any bucket a parameter without gradient left short, wait
@@ -160,6 +172,17 @@ class ZeRO2Optimizer:
     def zero_grad(self):
         self.grad_shards = [None] * len(self.grad_shards)  # the next backward's slices start them
 
+    def checkpoint_shards(self, names):
+        """For checkpoint.py: per bucket as in 04, the layout and what I hold of it."""
+        shards = []
+        for bucket, flat_param, param_shard, master_shard in zip(
+                self.grad_buckets.buckets, self.flat_params, self.param_shards, self.master_shards):
+            start, end = self.rank * param_shard.numel(), (self.rank + 1) * param_shard.numel()
+            shards.append(checkpoint.FlatShard([(names[p], p.numel()) for p in bucket.params],
+                                               {"param": (0, flat_param), "master": (start, master_shard)},
+                                               owned=(start, end), optim=self.optim))
+        return shards
+
 
 # ----------------------------------------------------------------------------- training
 def main(argv=None):
@@ -169,9 +192,11 @@ def main(argv=None):
     optimizer = ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=args.bucket_mb,
                                grad_clip=args.grad_clip, **common.adamw_kwargs(args))
     run = measure.Run(args, env, "zero2", model, optimizer)
+    ckpt = checkpoint.Checkpointer(args, env, "zero2", model, optimizer)  # --checkpoint-dir
+    start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
                 x, y = common.get_batch(args, env, step, micro)
@@ -181,6 +206,7 @@ def main(argv=None):
                 losses.append(loss)
             optimizer.step()  # 2) AdamW on my shards  3) all-gather, bucket by bucket
             optimizer.zero_grad()
+        ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END
 
     run.finish()

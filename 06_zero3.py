@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import checkpoint
 import common
 import measure
 from model import GPT, init_parameters
@@ -171,6 +172,11 @@ class ZeRO3:
     def _unshard(self, unit, wait=True):
         """All-gather `unit` into its flat buffer, unless it is there or on its way."""
         flat_param = unit.flat_param
+        # ### BEGIN SOLUTION: gather a unit
+        # TODO: if flat_param's storage is freed (size 0), give it numel x element_size bytes
+        #       again, fill it with NaN when self.fill_nan_before_gather (the tests' poison), and
+        #       start an async dist.all_gather_single of unit.param_shard into it, kept in
+        #       unit.gather_work. Then, if `wait`, wait for unit.gather_work and set it to None.
         if flat_param.untyped_storage().size() == 0:
             flat_param.untyped_storage().resize_(flat_param.numel() * flat_param.element_size())
             if self.fill_nan_before_gather:
@@ -180,13 +186,18 @@ class ZeRO3:
         if wait and unit.gather_work is not None:
             unit.gather_work.wait()
             unit.gather_work = None
+        # ### END SOLUTION
 
     def _reshard(self, unit):
         """Free `unit`'s full parameters; my shard stays."""
+        # ### BEGIN SOLUTION: free a unit
+        # TODO: wait for unit.gather_work first if one is pending (and set it to None), then
+        #       free unit.flat_param's memory by resizing its untyped storage to 0 bytes.
         if unit.gather_work is not None:  # never free memory a collective is writing into
             unit.gather_work.wait()
             unit.gather_work = None
         unit.flat_param.untyped_storage().resize_(0)
+        # ### END SOLUTION
 
     def _prefetch(self, index):  # forward runs the root, 1, 2, ...; backward the root, ..., 2, 1
         if self.prefetch and 0 < index < len(self.units):
@@ -240,11 +251,16 @@ class ZeRO3:
                                          device=unit.param_shard.device)
         # 5) averaged over the global batch: each rank's loss is the mean over its rows, so the
         # global gradient is the SUM over ranks divided by N (divide first, as in 01).
+        # ### BEGIN SOLUTION: reduce-scatter a unit's gradient
+        # TODO: divide unit.flat_grad (numel_padded,) by self.world_size in place, start an
+        #       async dist.reduce_scatter_single of it into a new grad_shard shaped like
+        #       unit.param_shard, and append (unit, work, grad_shard) to self.grads_in_flight.
         unit.flat_grad.div_(self.world_size)
         grad_shard = torch.empty_like(unit.param_shard)  # (numel_padded / N,)
         # (reduce_scatter_single is the torch 2.13 name of reduce_scatter_tensor)
         work = dist.reduce_scatter_single(grad_shard, unit.flat_grad, async_op=True)
         self.grads_in_flight.append((unit, work, grad_shard))
+        # ### END SOLUTION
         unit.reduced = True
 
     def _wait_reduce_scatters(self):
@@ -294,6 +310,19 @@ class ZeRO3:
         for u in self.units:
             u.grad_shard = None
 
+    def checkpoint_shards(self, names):
+        """For checkpoint.py: per unit, its layout and my shard of it (the master shard is the
+        trainable part of it, a prefix: trainable parameters come first)."""
+        shards = []
+        for u in self.units:
+            start = self.rank * u.shard_numel
+            held = {"param": (start, u.param_shard)}
+            if u.master_shard is not None:
+                held["master"] = (start, u.master_shard)
+            shards.append(checkpoint.FlatShard([(names[p], p.numel()) for p in u.params], held,
+                                               owned=(start, start + u.shard_numel), optim=self.optim))
+        return shards
+
     @torch.no_grad()
     def full_parameters(self):
         """{name: full fp32 tensor}, named as module.named_parameters() names them, on every
@@ -334,9 +363,11 @@ def main(argv=None):
     run = measure.Run(args, env, "zero3", model.module, model, holders=[model])
     run.init_peak = init_memory.peak
     run.full_parameters = model.full_parameters  # the parameters are sharded: gather to compare
+    ckpt = checkpoint.Checkpointer(args, env, "zero3", model.module, model)  # --checkpoint-dir
+    start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
                 x, y = common.get_batch(args, env, step, micro)
@@ -345,6 +376,7 @@ def main(argv=None):
                 losses.append(loss)
             model.step()  # 6) AdamW on my shard
             model.zero_grad()
+        ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END
 
     run.finish()

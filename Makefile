@@ -1,5 +1,5 @@
 # The two commands of the quick start. Each sets up .venv (pinned, torch first) when missing.
-.PHONY: demo test bench figures setup lecture diffs timelines
+.PHONY: demo test bench scaling figures setup lecture diffs timelines
 export OMP_NUM_THREADS ?= 1
 export PYTHONWARNINGS ?= ignore::FutureWarning
 
@@ -12,8 +12,11 @@ demo: setup      ## run every lesson at 2 ranks on CPU and print one comparison 
 test: setup      ## the whole test suite (CPU, gloo)
 	.venv/bin/python -m pytest -q tests
 
-bench: setup     ## step time of 01-03 against PyTorch's DDP, interleaved, as a table
+bench: setup     ## every lesson against its PyTorch counterpart, interleaved: runs/bench/bench.{md,json,png}
 	.venv/bin/python scripts/bench.py
+
+scaling: setup   ## step time, bytes sent and held per rank vs model size (~1M-50M) and world size (1, 2, 4)
+	.venv/bin/python scripts/scaling.py
 
 figures: setup   ## regenerate the README's figures from fresh runs
 	.venv/bin/python scripts/figures.py
@@ -26,3 +29,11 @@ diffs: setup     ## regenerate docs/diffs/ (the diff between consecutive lessons
 
 timelines: setup ## one traced step per lesson: overlap table, docs/figures/timeline_*.png (about 2 minutes)
 	.venv/bin/python scripts/timelines.py
+
+.PHONY: student-edition grade
+OUT ?= student
+student-edition: setup ## the student edition: every lesson's solution regions cut out, into OUT (default student/)
+	.venv/bin/python scripts/student_edition.py $(OUT)
+
+grade: setup     ## grade a student edition: make grade EDITION=student (default: this checkout); points: tests/points.toml
+	.venv/bin/python scripts/grade.py $(EDITION)

@@ -101,7 +101,7 @@ class BucketManager:
     def ready(self, p: nn.Parameter):
         """Call when p's gradient for this backward is complete (from its post-accumulate hook)."""
         bucket = self.bucket_of[p]
-        if self.grads_as_views and p.grad.data_ptr() != bucket.view(p).data_ptr():
+        if self.grads_as_views and p.grad._base is not bucket.buffer:  # (a view's _base: what it views)
             # Someone set p.grad to None (zero_grad(set_to_none=True)), so autograd made a fresh
             # tensor: the bucket would reduce stale zeros and the optimizer read an unreduced grad.
             raise RuntimeError("p.grad is no longer a view of its bucket; zero gradients in place")
@@ -113,8 +113,13 @@ class BucketManager:
         bucket.pending.discard(p)
         # Launch every full bucket in index order, never out of it: collectives are matched
         # by call order across ranks, so all ranks must launch bucket 0, then 1, ...
+        # ### BEGIN SOLUTION: launch the full buckets, in order
+        # TODO: while the bucket at index self.next_to_launch exists and has no pending
+        #       gradient left, launch it with self._launch(bucket) (which advances
+        #       self.next_to_launch). A full bucket behind one still pending must wait its turn.
         while self.next_to_launch < len(self.buckets) and not self.buckets[self.next_to_launch].pending:
             self._launch(self.buckets[self.next_to_launch])
+        # ### END SOLUTION
 
     def _launch(self, bucket):
         while self.max_in_flight is not None and len(self.in_flight) >= self.max_in_flight:

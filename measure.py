@@ -419,13 +419,18 @@ class Run:
         self.losses, self.step_times, self.memory = [], [], None
         self.peak_params = None
         self.init_peak = None  # optional: bytes held at once while the strategy was built (06)
+        # A resumed run (--resume) starts at the checkpoint's step: it then measures the first
+        # step at or after --measure-step that it runs, and its losses start at resumed_from.
+        self.resumed_from, self.measure_step = None, args.measure_step
         self.tokens_per_step = args.global_batch * args.seq_len
 
     @contextmanager
     def step(self, step):
         """Wrap one optimizer step. Yields a list the lesson appends its micro-step losses to."""
         micro_losses = []
-        measure = step == self.args.measure_step
+        if not self.step_times and step > 0:  # the first step of a resumed run
+            self.resumed_from, self.measure_step = step, max(step, self.args.measure_step)
+        measure = step == self.measure_step
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -504,6 +509,9 @@ class Run:
             measured["memory"]["init_peak"] = self.init_peak
         if self.env.device.type == "cuda":
             measured["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+        # the process's peak resident memory: everything (activations, buffers, the runtime), for
+        # the benchmark's "peak bytes per rank"; in a sweep, the highest of its runs so far
+        measured["memory"]["max_rss"] = max_rss()
         gathered = [None] * self.env.world_size
         dist.all_gather_object(gathered, measured)
         self.final_report = None
@@ -525,9 +533,10 @@ class Run:
             "strategy": self.strategy, "world_size": n, "backend": self.env.backend,
             "device": self.env.device.type, "precision": a.precision, "n_params": self.psi,
             "config": vars(a), "losses": self.losses, "step_time_s": self.step_times,
+            "resumed_from": self.resumed_from,  # losses[i] is step resumed_from + i (None: from 0)
             "median_step_time_s": statistics.median(self.step_times),
             "tokens_per_s": self.tokens_per_step / statistics.median(self.step_times),
-            "comm": {"measured_step": a.measure_step, "per_rank": [g["ops"] for g in gathered],
+            "comm": {"measured_step": self.measure_step, "per_rank": [g["ops"] for g in gathered],
                      "ops": gathered[0]["ops"],
                      "ring_bytes_per_step": gathered[0]["ring_bytes"],
                      "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision,
@@ -601,5 +610,10 @@ def plot_timeline(timelines, strategy, path):
 def _memory_now(env):
     if env.device.type == "cuda":
         return f"peak alloc {torch.cuda.max_memory_allocated() / 2 ** 20:.1f} MiB"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return f"peak rss {rss / 1024:.0f} MiB"
+    return f"peak rss {max_rss() / 2 ** 20:.0f} MiB"
+
+
+def max_rss():
+    """Peak resident set size of this process, bytes (getrusage: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024

@@ -1,11 +1,21 @@
 """Benchmark: each lesson against its PyTorch counterpart, interleaved in one run, 2 ranks.
 
     make bench            # or: .venv/bin/python scripts/bench.py [--rounds 3] [--steps 20]
+    .venv/bin/python scripts/bench.py --quick --lessons 03_buckets    # a tiny model, 1 round
 
 Step times on a shared 2-core machine drift by +-25 % over minutes, so every round runs every
 variant once, in the same order, and we report the median over rounds of each run's median
 step time (warm-up steps dropped), the spread (min-max of the round medians), and each
 lesson's ratio to its PyTorch counterpart measured in the same rounds.
+
+Per run also: tokens/s; the bytes each rank's process wrote on the wire per step (gloo over
+TCP, read from /proc on Linux: the one meter that sees DDP's and FSDP2's collectives too, which
+run in C++ where measure.CommMeter cannot see them); the model states each rank holds at rest
+(params + grads + optimizer, measure.MemoryLedger); and each rank's peak resident memory
+(everything: activations, buffers, the runtime). Every rank's maximum.
+
+Writes OUT/bench.md (the tables), OUT/bench.json (every number, every round) and OUT/bench.png
+(ratio to PyTorch, tokens/s, bytes sent, bytes held, per lesson and config).
 """
 import argparse
 import json
@@ -15,7 +25,7 @@ import statistics
 
 import torch
 
-from runs import available_lessons, launch
+from runs import ROOT, available_lessons, launch, mib
 
 COUNTERPART = {"01_vanilla_dp": "ddp", "02_async_allreduce": "ddp", "03_buckets": "ddp",
                "04_zero1": "zero_redundancy", "05_zero2": "fsdp2_noreshard", "06_zero3": "fsdp2"}
@@ -32,6 +42,8 @@ CONFIGS = {
 
 # the many-small model is about per-call latency: 01-03 against DDP
 CONFIG_LESSONS = {"many-small": ["01_vanilla_dp", "02_async_allreduce", "03_buckets"]}
+# --quick: every config on a tiny model (its flags come last, so they win), 1 round: a smoke test
+QUICK = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--global-batch", "8"]
 
 
 def variants(lessons):
@@ -58,20 +70,90 @@ def run_one(kind, name, nproc, steps, extra):
     return statistics.median(times), report
 
 
-def table_for(config, todo, medians, info):
-    """A markdown table: median step time, spread, ratio to the PyTorch counterpart, tokens/s."""
-    psi = next(iter(info.values()))["n_params"]
-    rows = [f"\n**{config}** (Psi = {psi:,} parameters)\n",
-            "| run | median step (ms) | spread (ms) | vs PyTorch | tokens/s |", "|---|---:|---:|---:|---:|"]
+def label_of(kind, name):
+    return LABEL[name] if kind == "torch" else name + (" --prefetch 0" if kind == "lesson-noprefetch" else "")
+
+
+def summarize(todo, medians, info):
+    """One config's numbers, per run (variant): the table's, the JSON's and the plot's."""
+    runs = []
     for v in todo:
         kind, name = v
+        report, ref = info[v], ("torch", COUNTERPART.get(name, name))
         med = statistics.median(medians[v])
-        ref = statistics.median(medians[("torch", COUNTERPART.get(name, name))]) if kind != "torch" else med
-        label = LABEL[name] if kind == "torch" else name + (" --prefetch 0" if kind == "lesson-noprefetch" else "")
-        tokens = info[v]["config"]["global_batch"] * info[v]["config"]["seq_len"]
-        rows.append(f"| {label} | {1e3 * med:.1f} | {1e3 * min(medians[v]):.1f}-{1e3 * max(medians[v]):.1f} "
-                    f"| {'' if kind == 'torch' else f'{med / ref:.2f}x'} | {tokens / med:,.0f} |")
+        per_rank = report["memory"]["per_rank"]
+        wire = [w for w in report["comm"]["wire_bytes_per_rank"] if w is not None]
+        runs.append({
+            "run": label_of(kind, name), "kind": kind, "name": name,
+            "counterpart": None if kind == "torch" else LABEL[ref[1]],
+            "round_medians_s": medians[v], "median_s": med,
+            "spread_s": [min(medians[v]), max(medians[v])],
+            # ratio of the medians, and each round's ratio (same round: the same minutes)
+            "vs_pytorch": None if kind == "torch" else med / statistics.median(medians[ref]),
+            "vs_pytorch_rounds": None if kind == "torch" else [a / b for a, b in zip(medians[v], medians[ref])],
+            "tokens_per_s": report["config"]["global_batch"] * report["config"]["seq_len"] / med,
+            "wire_bytes_per_step": max(wire) if wire else None,
+            # what the lesson's own collectives add up to, ring-counted (PyTorch's are not seen: C++)
+            "ring_bytes_per_step": None if kind == "torch" else report["comm"]["ring_bytes_per_step"],
+            "theory_ring_bytes_per_step": report["comm"]["theory_ring_bytes_per_step"],
+            "state_bytes": max(m["params"] + m["grads"] + m["optimizer"] for m in per_rank),
+            "max_rss": max((m.get("max_rss") or 0) for m in per_rank) or None,
+        })
+    return {"n_params": next(iter(info.values()))["n_params"], "runs": runs}
+
+
+def table_for(config, summary):
+    """A markdown table: median step time, spread, ratio to the PyTorch counterpart, tokens/s,
+    bytes sent and held per rank."""
+    rows = [f"\n**{config}** (Psi = {summary['n_params']:,} parameters)\n",
+            "| run | median step (ms) | spread (ms) | vs PyTorch | tokens/s | sent MiB/rank/step "
+            "| held MiB/rank | peak RSS MiB/rank |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in summary["runs"]:
+        lo, hi = r["spread_s"]
+        sent = "" if r["wire_bytes_per_step"] is None else f"{mib(r['wire_bytes_per_step']):.2f}"
+        rss = "" if r["max_rss"] is None else f"{mib(r['max_rss']):.0f}"
+        ratio = "" if r["vs_pytorch"] is None else f"{r['vs_pytorch']:.2f}x"
+        rows.append(f"| {r['run']} | {1e3 * r['median_s']:.1f} | {1e3 * lo:.1f}-{1e3 * hi:.1f} | {ratio} "
+                    f"| {r['tokens_per_s']:,.0f} | {sent} | {mib(r['state_bytes']):.2f} | {rss} |")
     return "\n".join(rows)
+
+
+def plot(results, path):
+    """Per config, one row of bar charts: ratio to PyTorch (whiskers: the rounds' ratios),
+    tokens/s, bytes sent per rank per step, model states held, peak RSS."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [("step time / PyTorch's", lambda r: r["vs_pytorch"]),
+              ("tokens/s", lambda r: r["tokens_per_s"]),
+              ("sent MiB per rank per step (wire)", lambda r: r["wire_bytes_per_step"] and mib(r["wire_bytes_per_step"])),
+              ("held MiB per rank (params+grads+optim)", lambda r: mib(r["state_bytes"])),
+              ("peak RSS MiB per rank", lambda r: r["max_rss"] and mib(r["max_rss"]))]
+    heights = [0.32 * len(s["runs"]) + 1.2 for s in results.values()]
+    fig, axes = plt.subplots(len(results), len(panels), figsize=(4 * len(panels) + 2.5, sum(heights)),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for (config, summary), row in zip(results.items(), axes):
+        runs = summary["runs"][::-1]  # top to bottom in the table's order
+        y = range(len(runs))
+        colors = ["#AAAAAA" if r["kind"] == "torch" else "#4C72B0" for r in runs]
+        for col, (ax, (title, value)) in enumerate(zip(row, panels)):
+            vals = [value(r) or 0 for r in runs]
+            ax.barh(y, vals, color=colors)
+            if col == 0:  # whiskers: the spread of the per-round ratios
+                for i, r in enumerate(runs):
+                    if r["vs_pytorch_rounds"]:
+                        ax.plot([min(r["vs_pytorch_rounds"]), max(r["vs_pytorch_rounds"])], [i, i], "k-", lw=1.5)
+                ax.axvline(1, color="k", lw=1, ls=":")
+            ax.set_yticks(list(y), [r["run"] for r in runs] if col == 0 else [""] * len(runs), fontsize=9)
+            ax.set_title(title if config == next(iter(results)) else "", fontsize=10)
+            ax.tick_params(axis="x", labelsize=8)
+            ax.grid(axis="x", alpha=0.3)
+        row[0].set_ylabel(f"{config}\nPsi = {summary['n_params']:,}", fontsize=10)
+    fig.suptitle("Lessons (blue) against their PyTorch counterparts (grey), 2 ranks, CPU (gloo)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main():
@@ -81,29 +163,48 @@ def main():
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--lessons", nargs="+", default=None, help="e.g. 01_vanilla_dp 03_buckets")
-    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--quick", action="store_true", help="a tiny model, 1 round of 6 steps: a smoke test")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench"),
+                   help="where bench.md, bench.json and bench.png go")
+    p.add_argument("--json", default=None, help="also write the JSON here")
     a = p.parse_args()
+    if a.quick:
+        a.rounds, a.steps = 1, 6
+    if a.steps < 5:
+        p.error("--steps must be at least 5: 3 warm-up steps, one timed, the measured last one")
     lessons = a.lessons or available_lessons()
     results = {}
     for config in a.configs:
         todo = variants([l for l in lessons if l in CONFIG_LESSONS.get(config, lessons)])
+        if not todo:
+            continue
         medians = {v: [] for v in todo}
         info = {}
         for r in range(a.rounds):
             for v in todo:
-                t, report = run_one(*v, a.nproc, a.steps, CONFIGS[config])
+                t, report = run_one(*v, a.nproc, a.steps, CONFIGS[config] + (QUICK if a.quick else []))
                 medians[v].append(t)
                 info[v] = report
             print(f"[{config}] round {r + 1}/{a.rounds} done", flush=True)
-        results[config] = (todo, medians, info)
-        print(table_for(config, todo, medians, info), flush=True)  # as soon as it is known
-    print(f"\n{a.nproc} ranks, CPU (gloo), {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, torch {torch.__version__}, {a.rounds} interleaved rounds x {a.steps} steps")
-    for config, (todo, medians, info) in results.items():
-        print(table_for(config, todo, medians, info))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({c: {f"{k}:{n}": m for (k, n), m in med.items()} for c, (_, med, _) in results.items()}, f, indent=1)
+        results[config] = summarize(todo, medians, info)
+        print(table_for(config, results[config]), flush=True)  # as soon as it is known
+    header = (f"{a.nproc} ranks, CPU (gloo), {platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} cores, torch {torch.__version__}, {a.rounds} interleaved rounds x {a.steps} steps"
+              + (" (--quick: a tiny model)" if a.quick else ""))
+    md = header + "\n" + "\n".join(table_for(c, s) for c, s in results.items()) + "\n"
+    print("\n" + md)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench.md"), "w") as f:
+        f.write(md)
+    doc = {"meta": {"header": header, "nproc": a.nproc, "rounds": a.rounds, "steps": a.steps, "quick": a.quick,
+                    "timed_steps": f"3..{a.steps - 2}", "torch": torch.__version__, "cores": os.cpu_count()},
+           "configs": {c: {**s, "flags": CONFIGS[c] + (QUICK if a.quick else [])} for c, s in results.items()}}
+    for path in [os.path.join(a.out, "bench.json")] + ([a.json] if a.json else []):
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+    if results:
+        plot(results, os.path.join(a.out, "bench.png"))
+    print(f"wrote {os.path.relpath(a.out, ROOT)}/bench.md, bench.json, bench.png")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Test plumbing: load a lesson by file name, run a function on N spawned ranks (gloo, CPU,
 a free port), and train the single-process reference every lesson is held to."""
+import functools
 import importlib.util
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -11,17 +13,52 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where the graded files (the lessons and bucket.py) are read from: this checkout, or a student
+# edition (scripts/student_edition.py) named by DP_LESSONS. The one place the tests learn it;
+# spawned ranks and torchrun's processes inherit the variable. Support modules (common, model,
+# measure) always come from this checkout, so the reference a lesson is held to is the grader's.
+LESSONS_DIR = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT)
+
+
+def lesson_file(name):
+    """The path of graded file `name` ("03_buckets", "bucket"): for running it as a script."""
+    return os.path.join(LESSONS_DIR, f"{name}.py")
 
 
 def load_lesson(name):
-    """Import `03_buckets.py` (a name that is not a valid module name) as a module."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, f"{name}.py"))
+    """Import a graded file from LESSONS_DIR as a module: a lesson ("03_buckets", a name that
+    is not a valid module name) or "bucket"."""
+    path = lesson_file(name)
+    module = sys.modules.get(name)
+    if module is not None:
+        if os.path.realpath(getattr(module, "__file__", "") or "") != os.path.realpath(path):
+            raise ImportError(f"{name} was imported from {module.__file__} before the tests could "
+                              f"load it from {LESSONS_DIR}: import it through harness.load_lesson")
+        return module
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no {name}.py in {LESSONS_DIR} (DP_LESSONS={os.environ.get('DP_LESSONS')!r})")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        # None, not absent: a plain `import bucket` must never fall back to this checkout's
+        sys.modules[name] = None
+        if name != "bucket" and isinstance(e, ImportError) and e.name == "bucket":
+            load_lesson("bucket")  # the lesson failed because bucket.py did: raise its error
+        raise
     return module
+
+
+# The lessons' own `from bucket import BucketManager` must find LESSONS_DIR's bucket.py, not
+# this checkout's (a student edition has its own): load it now, before any lesson is loaded.
+# If it is broken, only what uses it fails, with its error.
+if os.path.exists(lesson_file("bucket")):
+    try:
+        load_lesson("bucket")
+    except Exception:
+        pass
 
 
 def _worker(rank, world, port, fn, args, out_dir):
@@ -54,8 +91,9 @@ def spawn(world, fn, *args, timeout=300):
                  for r in range(world)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout  # for all ranks together, not each in turn
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
@@ -78,6 +116,26 @@ def spawn(world, fn, *args, timeout=300):
             # When one rank fails the others often only see "connection closed": show them all.
             raise RuntimeError("\n".join(errors))
         return results
+
+
+def once(fn):
+    """functools.lru_cache for a test file's `results(world)`, remembering a failure too: a
+    lesson that fails to run (a student's NotImplementedError) fails every test that reads its
+    results with the same message, without launching the ranks again for each one."""
+    memo = {}
+
+    @functools.wraps(fn)
+    def cached(*args):
+        if args not in memo:
+            try:
+                memo[args] = (fn(*args), None)
+            except Exception as e:
+                memo[args] = (None, e)
+        value, error = memo[args]
+        if error is not None:
+            raise error
+        return value
+    return cached
 
 
 def run_lesson(lesson, argv):

@@ -3,7 +3,8 @@
 Every entry builds a trainer around a plain nn.Module whose forward(x, y) returns the loss:
     trainer.train_step(micro_batches) -> this rank's loss for the step (mean of micro-steps)
     trainer.full_parameters()         -> {name: full fp32 tensor}, identical on every rank
-Tests use nothing else, so a lesson (or a student's version of it) plugs in here only.
+Tests use nothing else, so a lesson (or a student's version of it) plugs in here only. Which
+files: harness.load_lesson, from this checkout or from the student edition named by DP_LESSONS.
 """
 import contextlib
 

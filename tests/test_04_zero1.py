@@ -1,11 +1,10 @@
 """Lesson 04 (ZeRO-1) against single-process training and PyTorch's ZeroRedundancyOptimizer;
 its memory and communication against the ZeRO paper. Tolerances: tests/zero_parity.py."""
-import functools
 import math
 
 import pytest
 
-from harness import gpt_train, run_lesson, spawn
+from harness import gpt_train, once, run_lesson, spawn
 from lessons import build
 from toy import toy_reference, toy_train
 from zero_parity import ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, ref, toy_sgd_reference
@@ -30,7 +29,7 @@ def suite(world):
     }
 
 
-@functools.lru_cache(maxsize=None)
+@once  # also remembers a failed launch: one launch per world size
 def results(world):
     return spawn(world, suite, world)
 

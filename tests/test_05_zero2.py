@@ -1,7 +1,6 @@
 """Lesson 05 (ZeRO-2) against single-process training and FSDP2 without resharding; its memory
 (at rest, and the gradient bytes alive during backward) and communication against the ZeRO
 paper. Tolerances: tests/zero_parity.py."""
-import functools
 
 import pytest
 import torch
@@ -9,8 +8,7 @@ import torch.distributed as dist
 
 import common
 import measure
-from bucket import BucketManager
-from harness import gpt_train, load_lesson, run_lesson, spawn
+from harness import gpt_train, load_lesson, once, run_lesson, spawn
 from lessons import build
 from model import GPT
 from toy import make_toy, toy_reference, toy_train
@@ -37,8 +35,9 @@ def layout(argv, world):
     padded to a multiple of N on its own."""
     args = common.parse_args(argv)
     model = GPT(common.model_config(args), seed=None).to(common.working_dtype(args))
-    buckets = BucketManager(model.parameters(), args.bucket_mb, launch=None, grads_as_views=False,
-                            pad_to=world).buckets
+    manager = load_lesson("bucket").BucketManager  # the graded bucket.py (harness.LESSONS_DIR)
+    buckets = manager(model.parameters(), args.bucket_mb, launch=None, grads_as_views=False,
+                      pad_to=world).buckets
     return sum(b.numel_padded for b in buckets), len(buckets)
 
 
@@ -84,7 +83,7 @@ def suite(world):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@once  # also remembers a failed launch: one launch per world size
 def results(world):
     return spawn(world, suite, world)
 

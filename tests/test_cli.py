@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from harness import ROOT
+from harness import ROOT, lesson_file
 from runs_path import LESSONS  # noqa: F401  (tests/runs_path.py puts scripts/ on the path)
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -29,9 +29,9 @@ BAD = [
 
 
 def test_bad_flags_one_line_nonzero_exit():
-    commands = [[sys.executable, "01_vanilla_dp.py", *flags] for flags, _ in BAD]
+    commands = [[sys.executable, lesson_file("01_vanilla_dp"), *flags] for flags, _ in BAD]
     # every lesson shares the flags: check each one rejects an unknown precision the same way
-    commands += [[sys.executable, f"{name}.py", "--precision", "fp16"] for name in LESSONS[1:]]
+    commands += [[sys.executable, lesson_file(name), "--precision", "fp16"] for name in LESSONS[1:]]
     expected = [msg for _, msg in BAD] + ["invalid choice: 'fp16'"] * (len(LESSONS) - 1)
     for (code, err), msg in zip(run_all(commands), expected):
         assert code == 2, err
@@ -41,7 +41,7 @@ def test_bad_flags_one_line_nonzero_exit():
 
 def test_batch_not_divisible_by_world_size_under_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "03_buckets.py", "--global-batch", "7"]
+           lesson_file("03_buckets"), "--global-batch", "7"]
     [(code, err)] = run_all([cmd])
     assert code != 0
     ours = [l for l in err.splitlines() if l.startswith("error: ")]

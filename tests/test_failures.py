@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from harness import ROOT
+from harness import ROOT, lesson_file
 
 TIMEOUT_S = 30  # --timeout: the survivors must be out well before a hung collective would be
 
@@ -32,7 +32,7 @@ def start_pair():
                    OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         env.pop("DP_DEBUG", None)
         procs.append(subprocess.Popen(
-            [sys.executable, "01_vanilla_dp.py", "--steps", "100000", "--log-every", "1",
+            [sys.executable, lesson_file("01_vanilla_dp"), "--steps", "100000", "--log-every", "1",
              "--peak-params", "0", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
              "--timeout", str(TIMEOUT_S)],
             cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))

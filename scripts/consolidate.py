@@ -1,0 +1,49 @@
+"""Turn any lesson's checkpoint into one plain state_dict, loadable without torch.distributed.
+
+    python scripts/consolidate.py runs/ckpt model.pt               # its newest complete checkpoint
+    python scripts/consolidate.py runs/ckpt/step_000040 model.pt   # that one
+
+What DeepSpeed's zero_to_fp32.py does for ZeRO checkpoints: every rank's pieces put back together,
+the padding gone, in fp32 (a bf16 run's fp32 master weights, of which its bf16 weights are the
+rounding), tied names both present (wte.weight and lm_head.weight). Then, in any process:
+
+    model = GPT(GPTConfig(...)); model.load_state_dict(torch.load("model.pt"))
+"""
+import argparse
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import checkpoint  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a --checkpoint-dir (its newest complete step) or one step_NNNNNN directory")
+    p.add_argument("out", help="where to write the state_dict (torch.save)")
+    a = p.parse_args(argv)
+    path = a.checkpoint.rstrip("/")
+    if not re.fullmatch(r"step_\d+", os.path.basename(path)):
+        path = checkpoint.latest(path)
+        if path is None:
+            sys.exit(f"error: no complete checkpoint in {a.checkpoint}")
+    try:
+        sd = checkpoint.consolidate(path)
+        meta, _, _ = checkpoint.read(path)
+    except checkpoint.CheckpointError as e:
+        sys.exit(f"error: {e}")
+    torch.save(sd, a.out)
+    c = meta["config"]
+    model = ", ".join(f"{k}={c[k]}" for k in ("vocab_size", "seq_len", "n_layer", "d_model", "n_head"))
+    n = sum(t.numel() for name, t in sd.items() if name not in meta["aliases"])
+    print(f"{a.out}: {len(sd)} fp32 tensors, {n:,} parameters, from {path} ({meta['strategy']}, "
+          f"{meta['world_size']} ranks, step {meta['step']}, {meta['precision']})\n"
+          f"load it with: GPT(GPTConfig({model})).load_state_dict(torch.load({a.out!r}))")
+    return path
+
+
+if __name__ == "__main__":
+    main()

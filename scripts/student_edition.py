@@ -1,0 +1,229 @@
+"""Write the student edition: this project with the solution regions of the lessons cut out.
+
+    python scripts/student_edition.py student/                   # or: make student-edition OUT=student
+    python scripts/student_edition.py out/ --source student/     # from an edition: the same bytes
+    python scripts/student_edition.py --check                    # only check that every fence closes
+
+A solution region is fenced by comments, with its instructions right after BEGIN, so readers of
+the solutions see them too:
+
+    # ### BEGIN SOLUTION: <short title>
+    # TODO: <what to compute, which collective, shapes>
+    #       <more instructions: '#' then at least two spaces>
+    <the solution: whole statements at the fence's indentation>
+    # ### END SOLUTION
+
+In the edition the solution becomes one line at the fence's indentation,
+`raise NotImplementedError("<file>: <title> (see the TODO above)")`, so every file still imports
+and a test that reaches the region fails with that message. The fences and the TODO stay: the
+student writes between them, and stripping an edition again changes nothing. Only top-level
+*.py files are fenced (the lessons and bucket.py); everything else is copied as it is, except
+what would show the solutions (docs/diffs/ and its test). The output depends only on the
+source's files (no timestamps), so generating twice gives identical bytes.
+"""
+import argparse
+import os
+import re
+import stat
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAMP = "ASSIGNMENT.md"  # marks a directory as an edition: safe to regenerate, never a source
+SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ipynb_checkpoints", "runs"}
+# The diffs between consecutive lessons contain every solution (and their test needs them).
+SKIP_PATHS = {"docs/diffs", "tests/test_diffs.py"}
+BEGIN = re.compile(r"^([ \t]*)# ### BEGIN SOLUTION:[ \t]*(\S.*?)[ \t]*$")
+END = re.compile(r"^([ \t]*)# ### END SOLUTION[ \t]*$")
+ANY = re.compile(r"#\s*###\s*(BEGIN|END)\s+SOLUTION")  # a fence, well-formed or not
+
+
+class FenceError(ValueError):
+    pass
+
+
+# ----------------------------------------------------------------------------- fences
+def regions(text, name):
+    """[(begin, end, indent, title, n_todo)] line indices of each fenced region of `text`;
+    FenceError naming file and line for a fence that is unbalanced, nested or malformed."""
+    lines, found, open_ = text.splitlines(), [], None
+    for i, line in enumerate(lines):
+        where = f"{name}:{i + 1}"
+        begin, end = BEGIN.match(line), END.match(line)
+        if begin:
+            if open_ is not None:
+                raise FenceError(f"{where}: BEGIN SOLUTION inside the region opened at line {open_[0] + 1}")
+            open_ = (i, begin.group(1), begin.group(2))
+        elif end:
+            if open_ is None:
+                raise FenceError(f"{where}: END SOLUTION without a BEGIN SOLUTION")
+            start, indent, title = open_
+            if end.group(1) != indent:
+                raise FenceError(f"{where}: END SOLUTION is not indented like its BEGIN (line {start + 1})")
+            found.append((start, i, indent, title, _todo_lines(lines, start, i, indent, name)))
+            open_ = None
+        elif ANY.search(line):
+            raise FenceError(f"{where}: malformed fence (want '# ### BEGIN SOLUTION: <title>' "
+                             f"or '# ### END SOLUTION'): {line.strip()}")
+    if open_ is not None:
+        raise FenceError(f"{name}:{open_[0] + 1}: BEGIN SOLUTION ({open_[2]}) has no END SOLUTION")
+    return found
+
+
+def _todo_lines(lines, start, end, indent, name):
+    """How many instruction lines follow BEGIN; checks the body is whole statements."""
+    if start + 1 >= end or not lines[start + 1].startswith(indent + "# TODO:"):
+        raise FenceError(f"{name}:{start + 2}: a region starts with '# TODO: <instructions>'")
+    n = 1
+    while start + 1 + n < end and re.match(re.escape(indent) + r"#  ", lines[start + 1 + n]):
+        n += 1
+    body = [(j, lines[j]) for j in range(start + 1 + n, end) if lines[j].strip()]
+    if not body:
+        raise FenceError(f"{name}:{start + 1}: the region holds no code")
+    for j, line in body:  # inside the fence's block, so that a raise can replace it all
+        if not line.startswith(indent):
+            raise FenceError(f"{name}:{j + 1}: region code indented less than its fence")
+    j, first = body[0]
+    if len(first) - len(first.lstrip()) != len(indent):
+        raise FenceError(f"{name}:{j + 1}: the region's first statement is not at the fence's indentation")
+    return n
+
+
+def message(name, title):
+    return f"{name}: {title} (see the TODO above)"
+
+
+def strip(text, name):
+    """`text` with every region's solution replaced by a NotImplementedError; checked to compile."""
+    lines = text.splitlines(keepends=True)
+    newline = "\r\n" if text.endswith("\r\n") else "\n"
+    out, last = [], 0
+    for start, end, indent, title, n_todo in regions(text, name):
+        msg = message(name, title).replace("\\", "\\\\").replace('"', '\\"')
+        out += lines[last:start + 1 + n_todo]
+        out.append(f'{indent}raise NotImplementedError("{msg}"){newline}')
+        last = end
+    out += lines[last:]
+    result = "".join(out)
+    try:
+        compile(result, name, "exec")
+    except SyntaxError as e:
+        raise FenceError(f"{name}:{e.lineno}: the stripped file is not valid Python ({e.msg}); "
+                         "a region must be whole statements") from None
+    return result
+
+
+# ----------------------------------------------------------------------------- files
+def _skipped(rel):
+    parts = rel.split("/")
+    return (any(p in SKIP_DIRS for p in parts[:-1]) or parts[-1].endswith(".pyc")
+            or any(rel == s or rel.startswith(s + "/") for s in SKIP_PATHS))
+
+
+def source_files(source):
+    """Relative paths of the project's files: git's view (tracked and new, not ignored) when
+    `source` is a git checkout, else every file; minus SKIP_* and any edition inside it."""
+    if os.path.isdir(os.path.join(source, ".git")):
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             cwd=source, capture_output=True, check=True).stdout.decode()
+        files = sorted({f for f in out.split("\0") if f and os.path.isfile(os.path.join(source, f))})
+    else:
+        files = []
+        for dirpath, dirnames, filenames in os.walk(source):
+            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
+            rel = os.path.relpath(dirpath, source).replace(os.sep, "/")
+            files += [f if rel == "." else f"{rel}/{f}" for f in filenames]
+        files.sort()
+    editions = {os.path.dirname(f) for f in files if os.path.basename(f) == STAMP and "/" in f}
+    return [f for f in files if not _skipped(f) and f != STAMP
+            and not any(f.startswith(e + "/") for e in editions)]
+
+
+def edition(source):
+    """{relative path: (bytes, mode)} of the student edition of `source`."""
+    out, listed = {}, []
+    for rel in source_files(source):
+        path = os.path.join(source, rel)
+        with open(path, "rb") as f:
+            data = f.read()
+        if "/" not in rel and rel.endswith(".py"):
+            text = data.decode("utf-8")
+            found = regions(text, rel)
+            if found:
+                data = strip(text, rel).encode("utf-8")
+                listed += [(rel, title) for _, _, _, title, _ in found]
+        out[rel] = (data, stat.S_IMODE(os.stat(path).st_mode))
+    out[STAMP] = (_stamp(listed).encode("utf-8"), 0o644)
+    return out
+
+
+def _stamp(listed):
+    rows = "\n".join(f"- `{rel}`: {title}" for rel, title in listed)
+    return f"""# Student edition
+
+Generated by `scripts/student_edition.py`. The solutions are cut out of these regions; each is
+fenced by `# ### BEGIN SOLUTION: <title>` and `# ### END SOLUTION`, and its `# TODO:` lines say
+what to write. Replace the `raise NotImplementedError(...)` between the fences with your code.
+
+{rows}
+
+`bucket.py` belongs to lesson 03 (graded by `tests/test_bucket.py`); 05 uses it too.
+
+    .venv/bin/python -m pytest -q tests/test_01_vanilla.py   # check one lesson
+    torchrun --nproc_per_node=2 01_vanilla_dp.py             # run it
+    .venv/bin/python scripts/grade.py                        # the grade table (tests/points.toml)
+"""
+
+
+def write(files, out_dir, source):
+    """Make `out_dir` hold exactly `files` (build caches aside); refuses a directory that is not
+    an edition, so a student's work or the solutions are never overwritten by mistake."""
+    out_dir, source = os.path.realpath(out_dir), os.path.realpath(source)
+    if out_dir == source or source.startswith(out_dir + os.sep):
+        raise SystemExit(f"error: {out_dir} is the source (or holds it); write the edition elsewhere")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, STAMP)):
+        raise SystemExit(f"error: {out_dir} exists and is not a student edition (no {STAMP}); not touching it")
+    for rel in source_files(out_dir) if os.path.isdir(out_dir) else []:
+        if rel not in files:  # left over from an older edition
+            os.remove(os.path.join(out_dir, rel))
+    for rel, (data, mode) in sorted(files.items()):
+        path = os.path.join(out_dir, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path, "rb") as f:
+                same = f.read() == data
+        except FileNotFoundError:
+            same = False
+        if not same:
+            with open(path, "wb") as f:
+                f.write(data)
+        os.chmod(path, mode)
+    for dirpath, _, _ in sorted(os.walk(out_dir), reverse=True):  # dirs emptied by the removals
+        if dirpath != out_dir and not os.listdir(dirpath):
+            os.rmdir(dirpath)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", nargs="?", help="where to write the edition (e.g. student/)")
+    p.add_argument("--source", default=ROOT, help="the project to strip (default: this checkout)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 on a bad fence")
+    a = p.parse_args(argv)
+    if not a.check and not a.out_dir:
+        p.error("OUT_DIR is required (or --check)")
+    try:
+        files = edition(a.source)
+    except FenceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    n = files[STAMP][0].decode().count("\n- `")
+    if a.check:
+        print(f"fences: {n} regions, all closed")
+        return 0
+    write(files, a.out_dir, a.source)
+    print(f"wrote {len(files)} files to {a.out_dir} ({n} solution regions cut out)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Assignments: the fenced solution regions, the student edition cut from them, and its grading.
+
+The edition is generated once into a temporary directory; the graded lessons are run against it
+through the tests' adapter (DP_LESSONS, read by tests/harness.py) in one spawned launch.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+from harness import ROOT, spawn
+from runs_path import LESSONS  # noqa: F401  (puts scripts/ on the path)
+
+import student_edition as se  # noqa: E402  (scripts/)
+
+GRADED = LESSONS + ["bucket"]
+# The region a run of each lesson reaches first in the edition (05 builds on 03's bucket.py).
+FIRST = {"01_vanilla_dp": ("01_vanilla_dp.py", "average the gradients"),
+         "02_async_allreduce": ("02_async_allreduce.py", "launch the gradient's all-reduce"),
+         "03_buckets": ("bucket.py", "launch the full buckets, in order"),
+         "04_zero1": ("04_zero1.py", "my shard of the flat buffer"),
+         "05_zero2": ("bucket.py", "launch the full buckets, in order"),
+         "06_zero3": ("06_zero3.py", "gather a unit")}
+
+
+def tree(path):
+    """{relative path: (bytes, mode)} of every file under `path`."""
+    out = {}
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            full = os.path.join(dirpath, f)
+            with open(full, "rb") as fh:
+                out[os.path.relpath(full, path)] = (fh.read(), os.stat(full).st_mode)
+    return out
+
+
+@pytest.fixture(scope="module")
+def edition(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("edition") / "student")
+    assert se.main([out]) == 0
+    return out
+
+
+# ----------------------------------------------------------------------------- fences
+def test_every_graded_file_has_balanced_fences_with_instructions():
+    for name in GRADED:
+        with open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8") as f:
+            found = se.regions(f.read(), f"{name}.py")  # raises on a bad fence
+        assert 1 <= len(found) <= 3, name  # few and meaningful
+        for start, end, indent, title, n_todo in found:
+            assert title and n_todo >= 1 and end > start + n_todo + 1
+
+
+BAD = {  # case: (text, what the error says)
+    "no_end": ("def f():\n    # ### BEGIN SOLUTION: x\n    # TODO: y\n    return 1\n", "has no END"),
+    "end_alone": ("def f():\n    return 1\n    # ### END SOLUTION\n", "without a BEGIN"),
+    "nested": ("def f():\n    # ### BEGIN SOLUTION: a\n    # TODO: y\n    # ### BEGIN SOLUTION: b\n",
+               "inside the region opened at line 2"),
+    "no_todo": ("def f():\n    # ### BEGIN SOLUTION: x\n    return 1\n    # ### END SOLUTION\n", "# TODO:"),
+    "misaligned": ("def f():\n    # ### BEGIN SOLUTION: x\n    # TODO: y\n    return 1\n  # ### END SOLUTION\n",
+                   "not indented like its BEGIN"),
+    "malformed": ("def f():\n    # ### BEGIN SOLUTION\n    return 1\n", "malformed fence"),
+    "empty": ("def f():\n    # ### BEGIN SOLUTION: x\n    # TODO: y\n    # ### END SOLUTION\n", "no code"),
+    "not_statements": ("x = (\n# ### BEGIN SOLUTION: x\n# TODO: y\n1\n# ### END SOLUTION\n)\n",
+                       "not valid Python"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_fence_is_a_clear_error_naming_file_and_line(case, tmp_path):
+    text, says = BAD[case]
+    with pytest.raises(se.FenceError, match=r"^x\.py:\d+: ") as e:
+        se.strip(text, "x.py")
+    assert says in str(e.value)
+    (tmp_path / "x.py").write_text(text)  # the command says so too, and exits 1
+    assert se.main(["--check", "--source", str(tmp_path)]) == 1
+
+
+def test_stripping_keeps_fences_and_instructions_and_is_idempotent():
+    text = textwrap.dedent('''\
+        def f(x):
+            y = 1
+            # ### BEGIN SOLUTION: add "one"
+            # TODO: return x + y
+            #       (an int)
+            if x:
+                return x + y
+            return y
+            # ### END SOLUTION
+        ''')
+    stripped = se.strip(text, "f.py")
+    assert stripped == textwrap.dedent('''\
+        def f(x):
+            y = 1
+            # ### BEGIN SOLUTION: add "one"
+            # TODO: return x + y
+            #       (an int)
+            raise NotImplementedError("f.py: add \\"one\\" (see the TODO above)")
+            # ### END SOLUTION
+        ''')
+    assert se.strip(stripped, "f.py") == stripped
+    scope = {}
+    exec(stripped, scope)
+    with pytest.raises(NotImplementedError, match=r'^f\.py: add "one" \(see the TODO above\)$'):
+        scope["f"](1)
+
+
+# ----------------------------------------------------------------------------- the edition
+def test_edition_is_stripped_and_idempotent(edition, tmp_path):
+    first = tree(edition)
+    for name in GRADED:
+        solution = open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8").read()
+        text = first[f"{name}.py"][0].decode()
+        assert text == se.strip(solution, f"{name}.py") and "NotImplementedError" in text
+    assert not any(p.startswith(os.path.join("docs", "diffs")) for p in first)  # they hold the solutions
+    assert "ASSIGNMENT.md" in first and "tests/harness.py" in first and "common.py" in first
+    assert se.main([edition]) == 0  # again, in place: nothing changes
+    assert tree(edition) == first
+    again = str(tmp_path / "again")
+    assert se.main([again, "--source", edition]) == 0  # from the edition: the same bytes
+    assert tree(again) == first
+
+
+def test_the_generator_refuses_to_overwrite_what_is_not_an_edition(tmp_path):
+    (tmp_path / "work.py").write_text("mine\n")
+    with pytest.raises(SystemExit, match="not a student edition"):
+        se.main([str(tmp_path)])
+    with pytest.raises(SystemExit, match="is the source"):
+        se.main([ROOT])
+    assert (tmp_path / "work.py").read_text() == "mine\n"
+
+
+# ----------------------------------------------------------------------------- grading it
+def _every_lesson_through_the_adapter():
+    """In a spawned rank: build and train each lesson on the toy through tests/lessons.py."""
+    from lessons import build
+    from toy import toy_train
+    out = {"files": {name: os.path.dirname(harness.load_lesson(name).__file__) for name in GRADED}}
+    for lesson in LESSONS:
+        try:
+            toy_train(build, lesson[:2], steps=1)
+            out[lesson] = None
+        except NotImplementedError as e:
+            out[lesson] = str(e)
+        dist.barrier()  # every rank failed at the same point: the group is still usable
+    return out
+
+
+def test_edition_loads_through_the_adapter_and_each_lesson_names_its_todo(edition, monkeypatch):
+    monkeypatch.setenv("DP_LESSONS", edition)  # what the spawned ranks read
+    for out in spawn(2, _every_lesson_through_the_adapter, timeout=120):
+        assert set(out["files"].values()) == {edition}  # bucket.py too, not the solutions'
+        for lesson, (file, title) in FIRST.items():
+            assert out[lesson] == se.message(file, title)
+
+
+def _raise_on(ranks):
+    if dist.get_rank() in ranks:
+        raise NotImplementedError("06_zero3.py: gather a unit (see the TODO above)")
+    dist.all_reduce(torch.zeros(1))  # the other rank: blocked in a collective
+
+
+@pytest.mark.parametrize("ranks", [(0, 1), (1,)], ids=["every_rank", "one_rank"])
+def test_a_failing_rank_ends_the_launch_quickly_with_its_message(ranks):
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"NotImplementedError: 06_zero3\.py: gather a unit") as e:
+        spawn(2, _raise_on, ranks, timeout=60)
+    assert "still running" not in str(e.value)
+    # measured 4 s idle, 16 s on a loaded machine; a hang would be spawn's TimeoutError at 60 s.
+    # It ends because the failing rank's exit closes its sockets: the peer's collective errors.
+    assert time.monotonic() - t0 < 50
+
+
+def test_grade_table_for_the_edition_and_for_the_solutions(edition, tmp_path):
+    points = tmp_path / "points.toml"
+    points.write_text('partial_credit = false\n[lessons.03_buckets]\npoints = 15\n'
+                      'tests = ["tests/test_bucket.py"]\n')
+    grade = [sys.executable, os.path.join(ROOT, "scripts", "grade.py"), "--points", str(points)]
+    env = dict(os.environ)
+    env.pop("DP_LESSONS", None)
+    procs = [subprocess.Popen(grade + [where], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for where in (edition, ROOT)]  # together: each pays `import torch`
+    outputs = [p.communicate(timeout=120) for p in procs]
+    student, solutions = [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outputs)]
+    assert student.returncode == 0 and solutions.returncode == 0, student.stderr + solutions.stderr
+    rows = {l.split()[0]: l.split()[1:] for l in student.stdout.splitlines() if l.startswith(("03_", "total"))}
+    n = int(rows["03_buckets"][0].split("/")[1])
+    assert rows["03_buckets"][1:] == ["0/15", "FAIL"] and 0 < int(rows["03_buckets"][0].split("/")[0]) < n
+    assert "NotImplementedError: bucket.py: launch the full buckets, in order" in student.stdout
+    assert f"03_buckets {n}/{n} 15/15 PASS" in " ".join(solutions.stdout.split())
+    assert f"total {n}/{n} 15/15" in " ".join(solutions.stdout.split())

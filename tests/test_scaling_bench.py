@@ -1,0 +1,78 @@
+"""The scaling and benchmark scripts write what the README promises: JSON, markdown, figures.
+
+scaling.py --quick is a real run (two tiny models, every lesson, worlds 2 and 1 in one torchrun
+launch, about 20 s). bench.py's own runs take minutes, so its test replaces the runs with canned
+reports and checks what it makes of them: the table's columns, the JSON's fields, the plot.
+No timing is asserted: step times on a shared 2-core machine mean nothing in a test.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT
+from runs_path import available_lessons
+
+import bench  # noqa: E402  (scripts/, put on the path by runs_path)
+
+
+def test_scaling_quick_writes_json_table_and_both_figures(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "scaling.py"), "--quick",
+                          "--out", str(tmp_path), "--figures", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads((tmp_path / "scaling.json").read_text())
+    lessons = available_lessons()
+    got = {(r["world_size"], r["size"], r["lesson"]) for r in result["rows"]}
+    assert got == {(w, s, l) for w in (1, 2) for s in ("tiny", "small") for l in lessons}
+    for r in result["rows"]:
+        assert r["n_params"] == result["sizes"][r["size"]]["n_params"] > 0
+        assert r["step_time_s"] > 0 and len(r["timed_steps_s"]) >= 1
+        # the ZeRO paper's bytes, measured: nothing sent alone; at 2 ranks 2 Psi (3 Psi) x 1/2, plus
+        # the 4-byte gradient-norm all-reduce
+        if r["world_size"] == 1:
+            assert r["ring_bytes_per_step"] == 0
+        else:
+            assert abs(r["ring_bytes_per_step"] - r["theory_ring_bytes_per_step"]) <= 8, r["lesson"]
+        held, theory = r["memory"], r["theory_memory"]
+        assert held["params"] == theory["params"] and held["grads"] == theory["grads"], r["lesson"]
+        assert (r["peak_params"] is not None) == (r["lesson"] == "06_zero3")
+    table = (tmp_path / "scaling.md").read_text()
+    assert "**world size 1**" in table and "**world size 2**" in table and all(l in table for l in lessons)
+    for figure in ("scaling_model_size.png", "scaling_world_size.png"):
+        assert (tmp_path / figure).stat().st_size > 20_000  # a real plot, not an empty canvas
+
+
+def _report(psi, sent, held, rss):
+    rank = {"params": held / 4, "grads": held / 4, "optimizer": held / 2, "other": 0, "max_rss": rss}
+    return {"n_params": psi, "config": {"global_batch": 16, "seq_len": 64},
+            "memory": {"per_rank": [rank, dict(rank, max_rss=rss + 2 ** 20)]},
+            "comm": {"wire_bytes_per_rank": [sent, sent + 100], "ring_bytes_per_step": sent,
+                     "theory_ring_bytes_per_step": sent}}
+
+
+def test_bench_writes_table_json_and_plot(tmp_path, monkeypatch):
+    times = {"torch": 0.1, "lesson": 0.05, "lesson-noprefetch": 0.08}
+    monkeypatch.setattr(bench, "run_one", lambda kind, name, nproc, steps, extra:
+                        (times[kind], _report(1000, 2 ** 20, 16 * 2 ** 20, 300 * 2 ** 20)))
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--rounds", "2", "--lessons", "03_buckets", "06_zero3",
+                                      "--out", str(tmp_path)])
+    bench.main()
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    runs = {r["run"]: r for r in doc["configs"]["default"]["runs"]}
+    assert list(runs) == ["DDP", "03_buckets", "FSDP2 fully_shard", "06_zero3", "06_zero3 --prefetch 0"]
+    assert runs["03_buckets"]["vs_pytorch"] == 0.5 and runs["06_zero3 --prefetch 0"]["vs_pytorch"] == pytest.approx(0.8)
+    assert runs["DDP"]["vs_pytorch"] is None and runs["DDP"]["round_medians_s"] == [0.1, 0.1]
+    r = runs["03_buckets"]
+    assert r["tokens_per_s"] == 16 * 64 / 0.05
+    assert r["wire_bytes_per_step"] == 2 ** 20 + 100  # every rank's maximum
+    assert r["state_bytes"] == 16 * 2 ** 20 and r["max_rss"] == 301 * 2 ** 20
+    assert list(doc["configs"]) == ["default", "many-small"]  # many-small: 01-03 only
+    assert [r["run"] for r in doc["configs"]["many-small"]["runs"]] == ["DDP", "03_buckets"]
+    table = (tmp_path / "bench.md").read_text()
+    for column in ("vs PyTorch", "tokens/s", "sent MiB/rank/step", "held MiB/rank", "peak RSS MiB/rank"):
+        assert column in table
+    assert "| 03_buckets | 50.0 | 50.0-50.0 | 0.50x | 20,480 | 1.00 | 16.00 | 301 |" in table
+    assert (tmp_path / "bench.png").stat().st_size > 20_000
