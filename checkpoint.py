@@ -14,6 +14,7 @@ A strategy says what it holds with one method, `checkpoint_shards(names) -> [Fla
 (01-03: common.MixedPrecisionAdamW; 04, 05, 06: their own). On disk, DIR/step_000040/:
     rank{r}.pt   rank r's ranges and RNG state        (torch.save; read with weights_only=True)
     meta.json    rank 0: config, step, world size, layout (who wrote which range), parameters
+                 (each rank's RNG state is in its own file: every rank draws its own numbers)
     COMPLETE     rank 0, after every rank's file is in place: no marker, no checkpoint
 Every file is written to a temporary name and renamed (atomic on POSIX), so a crash during a
 save leaves the previous complete checkpoint untouched. torch and the standard library only.
@@ -23,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -105,7 +107,12 @@ def save(path, step, module, holder, meta):
         os.makedirs(path, exist_ok=True)
         if os.path.exists(os.path.join(path, "COMPLETE")):  # saving this step again: it is not
             os.remove(os.path.join(path, "COMPLETE"))        # complete until every file is new
-    dist.barrier()
+    # One id for this save, in every file of it: a rank file from another save (another run, or
+    # this step saved again) can have the same step and ranges, and must still be refused.
+    # (uuid, not torch's generator: saving must not move the RNG a resumed run continues.)
+    save_id = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(save_id, src=0)  # also the barrier: the directory exists
+    save_id = save_id[0]
     entries = []
     for s in _shards(module, holder):
         kinds, state = {"param": s.tensors["param"]}, {}
@@ -126,17 +133,19 @@ def save(path, step, module, holder, meta):
                                     data=flat[at - start:at - start + hi - lo].to("cpu", copy=True)))
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
     _write_atomic(os.path.join(path, f"rank{rank}.pt"), lambda f: torch.save(
-        {"format": FORMAT, "rank": rank, "step": step, "entries": entries, "rng": rng}, f))
+        {"format": FORMAT, "save_id": save_id, "rank": rank, "step": step, "entries": entries, "rng": rng}, f))
     layout = [[e["name"], e["kind"], e["lo"], e["hi"]] for e in entries]
     layouts = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, layout)  # also the barrier: every rank's file is in place
     if rank == 0:
-        meta = {**meta, "format": FORMAT, "step": step, "world_size": len(layouts), "layout": layouts,
+        meta = {**meta, "format": FORMAT, "save_id": save_id, "step": step, "world_size": len(layouts),
                 "torch": torch.__version__,
                 "params": {n: list(p.shape) for n, p in module.named_parameters()},
                 "aliases": _aliases(module)}
-        text = re.sub(r"\[[^\[\]{}]*\]", lambda m: json.dumps(json.loads(m[0])), json.dumps(meta, indent=1))
-        _write_atomic(os.path.join(path, "meta.json"), lambda f: f.write(text.encode()))  # a range a line
+        # readable: the layout last, one range a line (json.loads gives back meta + layout)
+        rows = ",\n".join(" [" + ",\n  ".join(json.dumps(r) for r in ranks) + "]" for ranks in layouts)
+        text = json.dumps(meta, indent=1)[:-2] + ',\n "layout": [\n' + rows + "\n ]\n}\n"
+        _write_atomic(os.path.join(path, "meta.json"), lambda f: f.write(text.encode()))
         _write_atomic(os.path.join(path, "COMPLETE"), lambda f: f.write(b"ok\n"))
         _prune(os.path.dirname(path))
 
@@ -148,7 +157,7 @@ def _aliases(module):
 
 
 def _steps(root):
-    found = [(int(m.group(1)), d) for d in glob.glob(os.path.join(root, "step_*"))
+    found = [(int(m.group(1)), d) for d in glob.glob(os.path.join(glob.escape(root), "step_*"))
              if (m := re.fullmatch(r"step_(\d+)", os.path.basename(d)))]
     return [d for _, d in sorted(found)]
 
@@ -193,8 +202,9 @@ def read(path, check=None):
             saved = torch.load(file, weights_only=True, mmap=True)
         except Exception as e:
             raise CheckpointError(f"{file} is unreadable (truncated or corrupt): {str(e).splitlines()[0]}") from None
-        if saved["step"] != meta["step"] or [[e["name"], e["kind"], e["lo"], e["hi"]] for e in saved["entries"]] != layout:
-            raise CheckpointError(f"{file} does not belong to this checkpoint (its step or ranges differ from meta.json)")
+        if saved.get("save_id") != meta.get("save_id") or saved["step"] != meta["step"] \
+                or [[e["name"], e["kind"], e["lo"], e["hi"]] for e in saved["entries"]] != layout:
+            raise CheckpointError(f"{file} does not belong to this checkpoint (another save wrote it)")
         meta["rng"].append(saved["rng"])
         for e in saved["entries"]:
             if e["data"].numel() != e["hi"] - e["lo"]:

@@ -108,7 +108,9 @@ def fail(message, code=2):
     """A clear one-line error from rank 0 and a non-zero exit from every rank."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    else:  # let rank 0 speak first: torchrun stops the other ranks as soon as one exits
+    else:  # let rank 0 speak first: torchrun stops the other ranks as soon as one exits, and
+        # then this rank has nothing to add (rank 0 said what was wrong)
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
         time.sleep(2)
     exit_process(code)
 
@@ -180,9 +182,14 @@ def _start_heartbeat(rank):
     _heartbeat.start()
 
 
+_diagnosing = False  # set while a failure is being explained: a SIGTERM must not cut it short
+
+
 def lost_ranks():
     """The ranks whose heartbeat stopped, watched for three beats; None if the store itself is
     unreachable (then the rank or launcher that hosted it, rank 0's node, is the one lost)."""
+    global _diagnosing
+    _diagnosing = True
     try:
         store = dist.distributed_c10d._get_default_store()
         keys = [f"heartbeat/{r}" for r in range(dist.get_world_size())]
@@ -212,8 +219,14 @@ def exit_process(code=0):
 def run_main(main):
     """Run a lesson's main(): a clean one-line error for expected failures, then a clean exit."""
     def stopped(signum, frame):  # torchrun stops the other ranks with SIGTERM when one fails
-        print(f"error (rank {os.environ.get('RANK', '0')}): stopped by the launcher (SIGTERM), "
-              "most likely because another rank failed: see the launcher's report", file=sys.stderr, flush=True)
+        if _diagnosing:  # this rank is already naming the lost peer; it exits when done
+            return       # (torchrun waits 30 s before it sends SIGKILL)
+        # The heartbeats live in torchrun's store, which outlives its workers: name who is gone.
+        lost = lost_ranks() if dist.is_initialized() and dist.get_world_size() > 1 else None
+        why = (f"lost rank {', '.join(map(str, lost))} (no heartbeat for {3 * HEARTBEAT_S:.0f} s)" if lost
+               else "most likely because another rank failed")
+        print(f"error (rank {os.environ.get('RANK', '0')}): stopped by the launcher (SIGTERM): {why}; "
+              "see the launcher's report", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped)

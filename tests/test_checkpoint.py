@@ -155,10 +155,14 @@ def suite_world2(root):
     truncated = copy_checkpoint(full, 4, f"{root}/bad/truncated")
     missing = copy_checkpoint(full, 4, f"{root}/bad/missing", drop=["rank1.pt"])
     stranger = copy_checkpoint(full, 4, f"{root}/bad/stranger")
+    twin = copy_checkpoint(full, 4, f"{root}/bad/twin")
     if dist.get_rank() == 0:
         path = os.path.join(step_dir(truncated, 4), "rank1.pt")
         os.truncate(path, os.path.getsize(path) // 2)
         shutil.copy(os.path.join(step_dir(f"{root}/05_zero2/full", 2), "rank1.pt"), step_dir(stranger, 4))
+        # the resumed run's own step 4: same lesson, step and ranges (even the same values), but
+        # another save; nothing but the save id tells it apart
+        shutil.copy(os.path.join(step_dir(f"{root}/04_zero1/w2", 4), "rank1.pt"), step_dir(twin, 4))
     dist.barrier()
     other = copy_checkpoint(full, 4, f"{root}/bad/other")
     r = out["refused"]
@@ -166,15 +170,13 @@ def suite_world2(root):
     r["truncated"] = refused("04_zero1", ARGV + ["--checkpoint-dir", truncated, "--resume"])
     r["missing"] = refused("04_zero1", ARGV + ["--checkpoint-dir", missing, "--resume"])
     r["stranger"] = refused("04_zero1", ARGV + ["--checkpoint-dir", stranger, "--resume"])
+    r["twin"] = refused("04_zero1", ARGV + ["--checkpoint-dir", twin, "--resume"])
     r["d_model"] = refused("04_zero1", ARGV + ["--d-model", "40", "--checkpoint-dir", other, "--resume"])
     r["lesson"] = refused("05_zero2", ARGV + ["--checkpoint-dir", other, "--resume"])
     r["precision"] = refused("04_zero1", ARGV + BF16 + ["--checkpoint-dir", other, "--resume"])
     r["done"] = refused("04_zero1", ARGV + ["--steps", "4", "--checkpoint-dir", other, "--resume"])
     r["fresh_run_into_old_dir"] = refused("04_zero1", ARGV + SAVE + ["--checkpoint-dir", other])
     r["empty"] = refused("04_zero1", ARGV + ["--checkpoint-dir", f"{root}/bad/empty", "--resume"])
-    out["untouched"] = untouched_after_refusals({
-        "no_marker": step_dir(no_marker, 4), "truncated": step_dir(truncated, 4),
-        "missing": step_dir(missing, 4), "stranger": step_dir(stranger, 4)}, step_dir(full, 4))
 
     # a crash while saving step 4: no marker, a torn rank file, a temporary file left behind
     crashed = copy_checkpoint(full, 2, f"{root}/crash")
@@ -190,6 +192,13 @@ def suite_world2(root):
     for lesson in TOY_LESSONS:
         out["toy"][lesson] = {"saved": toy_saved(lesson, f"{root}/toy/{lesson}"),
                               "resumed": toy_resumed(lesson, step_dir(f"{root}/toy/{lesson}", 2))}
+
+    # refused by read() (the first four), or after it, by load() comparing shapes (other_model:
+    # a sound checkpoint of the toy model): either way before any tensor is touched
+    out["untouched"] = untouched_after_refusals({
+        "no_marker": step_dir(no_marker, 4), "truncated": step_dir(truncated, 4),
+        "missing": step_dir(missing, 4), "stranger": step_dir(stranger, 4), "twin": step_dir(twin, 4),
+        "other_model": step_dir(f"{root}/toy/04", 2)}, step_dir(full, 4))
     return out
 
 
@@ -207,7 +216,8 @@ def suite_resume(root, src, step, tag, lessons, save=False, toy=False):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("checkpoints"))
+    # brackets, braces and a space: the paths land in meta.json (config) and must survive it
+    return str(tmp_path_factory.mktemp("checkpoints") / "run [1] {a}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -337,6 +347,7 @@ def test_refusals_name_the_problem(root):
         assert "rank1.pt is unreadable (truncated or corrupt)" in r["truncated"]
         assert "rank1.pt is missing (2 ranks saved this checkpoint)" in r["missing"]
         assert "rank1.pt does not belong to this checkpoint" in r["stranger"]
+        assert "rank1.pt does not belong to this checkpoint" in r["twin"]
         assert "does not match this run: d_model 35 (checkpoint) != 40 (this run)" in r["d_model"]
         assert "does not match this run: strategy zero1 (checkpoint) != zero2 (this run)" in r["lesson"]
         assert "precision fp32 (checkpoint) != bf16 (this run)" in r["precision"]
@@ -353,6 +364,7 @@ def test_refused_load_leaves_every_tensor_untouched(root):
             # refused, and untouched_after_refusals found every tensor as it was; the good one loads
             assert message == "loaded" if name == "good" else "loaded" not in message, (lesson, name)
         assert "unreadable" in out["untouched"]["06", "truncated"]
+        assert "holds other parameters than this model" in out["untouched"]["06", "other_model"]
 
 
 def test_crash_during_save_resumes_from_the_previous_complete_checkpoint(root):

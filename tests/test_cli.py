@@ -47,4 +47,5 @@ def test_batch_not_divisible_by_world_size_under_torchrun():
     ours = [l for l in err.splitlines() if l.startswith("error: ")]
     # rank 0 alone speaks; what follows it is torchrun's own failure report
     assert ours == ["error: --global-batch 7 must be divisible by world size 2 x --grad-accum 1"], err
+    assert "error (rank" not in err  # rank 1, stopped by torchrun, adds nothing of its own
     assert "03_buckets.py\", line" not in err  # no traceback from the lesson itself

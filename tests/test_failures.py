@@ -1,8 +1,9 @@
 """A rank that dies mid-step: every other rank exits non-zero, within the timeout, naming it.
 
-The ranks are plain processes joined through MASTER_ADDR/MASTER_PORT (no torchrun: torchrun
-would stop the survivors itself with SIGTERM and print its own report, which hides ours). Rank 0
-then hosts the rendezvous store, so killing rank 0 also tests the "store unreachable" path.
+Two ways to launch. Plain processes joined through MASTER_ADDR/MASTER_PORT: rank 0 then hosts
+the rendezvous store, so killing rank 0 also tests the "store unreachable" path. And torchrun,
+which notices the dead worker itself and stops the survivor with SIGTERM, possibly before the
+survivor's next collective fails: the survivor must name the lost rank either way.
 """
 import os
 import signal
@@ -23,27 +24,41 @@ def free_port():
         return s.getsockname()[1]
 
 
+FLAGS = ["--steps", "100000", "--log-every", "1", "--peak-params", "0", "--n-layer", "2",
+         "--d-model", "32", "--seq-len", "16", "--timeout", str(TIMEOUT_S)]
+ENV = {k: v for k, v in os.environ.items() if k != "DP_DEBUG"} | dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
 def start_pair():
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        env.pop("DP_DEBUG", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, lesson_file("01_vanilla_dp"), "--steps", "100000", "--log-every", "1",
-             "--peak-params", "0", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
-             "--timeout", str(TIMEOUT_S)],
-            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        env = dict(ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, lesson_file("01_vanilla_dp"), *FLAGS],
+                                      cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs
+
+
+def wait_for_step(proc, step=3):
+    for line in proc.stdout:
+        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= step:
+            return
+
+
+def worker(torchrun_pid, rank):
+    """The pid of torchrun's worker process for `rank` (its children, told apart by RANK)."""
+    with open(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children") as f:
+        for pid in f.read().split():
+            with open(f"/proc/{pid}/environ", "rb") as env:
+                if f"RANK={rank}".encode() in env.read().split(b"\0"):
+                    return int(pid)
+    raise AssertionError(f"no worker for rank {rank} under torchrun {torchrun_pid}")
 
 
 def kill_mid_training(procs, victim, result):
     """Wait until rank 0 has logged three steps, SIGKILL `victim`, time the survivor's exit."""
-    for line in procs[0].stdout:
-        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 3:
-            break
+    wait_for_step(procs[0])
     procs[victim].send_signal(signal.SIGKILL)
     killed = time.monotonic()
     survivor = procs[1 - victim]
@@ -54,15 +69,38 @@ def kill_mid_training(procs, victim, result):
         p.wait()
 
 
+def kill_under_torchrun(result):
+    """torchrun with 2 ranks: SIGKILL rank 1's worker mid-training; rank 0 must still name it."""
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             lesson_file("01_vanilla_dp"), *FLAGS],
+                            cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_step(proc)
+        os.kill(worker(proc.pid, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(TIMEOUT_S + 30)
+        result["torchrun"] = (code, time.monotonic() - killed, proc.stderr.read())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_killed_rank_is_named_by_the_survivor():
     pairs = {1: start_pair(), 0: start_pair()}  # kill rank 1 in one run, rank 0 in the other
     result = {}
     threads = [threading.Thread(target=kill_mid_training, args=(procs, victim, result))
                for victim, procs in pairs.items()]
+    threads.append(threading.Thread(target=kill_under_torchrun, args=(result,)))
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    code, seconds, err = result.pop("torchrun")
+    # rank 0 names rank 1 whichever comes first: its failed collective, or torchrun's SIGTERM
+    # ("stopped by the launcher (SIGTERM): lost rank 1 ..."); torchrun's own report follows
+    ours = [l for l in err.splitlines() if l.startswith("error (rank")]
+    assert code != 0 and seconds < TIMEOUT_S, (code, seconds, err)
+    assert len(ours) == 1 and ours[0].startswith("error (rank 0): ") and "lost rank 1 " in ours[0], err
     for victim, (code, seconds, err) in result.items():
         ours = [l for l in err.splitlines() if l.startswith("error (rank")]
         assert code == 1, err
