@@ -6,8 +6,10 @@
 
 The tests come from this checkout, the lessons (and bucket.py) from the edition: one pytest run
 with DP_LESSONS=EDITION (tests/harness.py reads it), its results read from pytest's JUnit XML.
-Points, and which tests grade which lesson, live in tests/points.toml. The exit code is 0 once
-the table is printed, whatever the grade; 2 if the grading itself could not run.
+Points, and which tests grade which lesson, live in tests/points.toml. A lesson that `uses` a
+graded file it does not own (05: bucket.py, 03's) and fails while that file fails its own tests
+is graded again with this checkout's copy (DP_REFERENCE=bucket), and the table says so. The
+exit code is 0 once the table is printed, whatever the grade; 2 if the grading itself could not run.
 """
 import argparse
 import os
@@ -32,6 +34,8 @@ def load_points(path, only=None):
     for name, spec in lessons.items():
         if not isinstance(spec.get("points"), (int, float)) or not spec.get("tests"):
             raise SystemExit(f"error: {path}: lessons.{name} needs points = <number> and tests = [...]")
+        if not isinstance(spec.setdefault("uses", {}), dict):
+            raise SystemExit(f"error: {path}: lessons.{name}.uses must be a table, e.g. {{bucket = \"tests/test_bucket.py\"}}")
     if only:
         unknown = [o for o in only if not any(n.startswith(o) for n in lessons)]
         if unknown:
@@ -40,9 +44,10 @@ def load_points(path, only=None):
     return bool(cfg.get("partial_credit", False)), lessons
 
 
-def run_pytest(edition, specs, junit, verbose=False):
-    """One pytest run over every graded test, with the edition's lessons; returns its output."""
-    env = dict(os.environ, DP_LESSONS=edition, OMP_NUM_THREADS="1",
+def run_pytest(edition, specs, junit, verbose=False, reference=()):
+    """One pytest run over every graded test, with the edition's lessons (but the graded files
+    named in `reference`, from this checkout); returns its output."""
+    env = dict(os.environ, DP_LESSONS=edition, DP_REFERENCE=",".join(reference), OMP_NUM_THREADS="1",
                PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning"))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
            f"--junitxml={junit}", "-o", "junit_family=xunit1", *specs]
@@ -86,12 +91,34 @@ def _reason(element):
     return first if len(first) <= 110 else first[:107] + "..."
 
 
+def of(results, tests):
+    """The results of `tests` (files or node ids)."""
+    return {n: r for n, r in results.items() if any(n == t or n.startswith(t + "::") for t in tests)}
+
+
+def regrade_with_reference(edition, lessons, results, tmp, verbose):
+    """Lessons that failed while a graded file they use failed its own tests: run their tests
+    again with this checkout's copy of that file. Updates `results`; returns {lesson: note}."""
+    notes = {}
+    for name, spec in lessons.items():
+        broken = [f for f, tests in spec["uses"].items()
+                  if not all(ok for ok, _ in of(results, [tests]).values())]
+        if not broken or all(ok for ok, _ in of(results, spec["tests"]).values()):
+            continue
+        junit = os.path.join(tmp, f"junit_{name}.xml")
+        run_pytest(edition, spec["tests"], junit, verbose, reference=broken)
+        if os.path.exists(junit):
+            results.update(of(outcomes(junit), spec["tests"]))
+            notes[name] = (f"graded with this checkout's {', '.join(f + '.py' for f in broken)} "
+                           f"(the edition's fails {', '.join(spec['uses'][f] for f in broken)})")
+    return notes
+
+
 def grade(results, lessons, partial):
     """[(lesson, passed, total, earned, points, reasons {reason: count})] for the table."""
     rows = []
     for name, spec in lessons.items():
-        mine = {n: r for n, r in results.items()
-                if any(n == t or n.startswith(t + "::") for t in spec["tests"])}
+        mine = of(results, spec["tests"])
         passed = sum(ok for ok, _ in mine.values())
         total = len(mine)
         complete = total > 0 and passed == total
@@ -141,7 +168,7 @@ def main(argv=None):
     if not any(os.path.exists(os.path.join(edition, f"{name}.py")) for name in lessons):
         print(f"error: {edition} holds none of the lessons {', '.join(lessons)}", file=sys.stderr)
         return 2
-    specs = list(dict.fromkeys(t for spec in lessons.values() for t in spec["tests"]))
+    specs = list(dict.fromkeys(t for spec in lessons.values() for t in [*spec["tests"], *spec["uses"].values()]))
     with tempfile.TemporaryDirectory() as tmp:
         junit = os.path.join(tmp, "junit.xml")
         t0 = time.monotonic()
@@ -150,9 +177,13 @@ def main(argv=None):
             print(f"error: pytest produced no results:\n{output}", file=sys.stderr)
             return 2
         results = outcomes(junit)
+        notes = regrade_with_reference(edition, lessons, results, tmp, a.verbose)
     rows = grade(results, lessons, partial)
-    print(f"grading {edition} ({len(results)} tests, {time.monotonic() - t0:.0f} s)\n")
+    graded = set().union(*(of(results, s["tests"]) for s in lessons.values()))
+    print(f"grading {edition} ({len(graded)} tests, {time.monotonic() - t0:.0f} s)\n")
     print(table(rows))
+    if notes:
+        print("\n" + "\n".join(f"  {name}: {note}" for name, note in notes.items()))
     if any(r[5] for r in rows):
         print("\nfailures:\n" + failures(rows))
     return 0

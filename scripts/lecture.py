@@ -2,7 +2,7 @@
 
     make lecture                                   # or: .venv/bin/python scripts/lecture.py
     .venv/bin/python scripts/lecture.py --steps 20 --n-layer 2     # any lesson flag passes through
-    .venv/bin/python scripts/lecture.py --figures  # then regenerate the figures (scripts/figures.py --quick)
+    make lecture FIGURES=1                         # then regenerate the README's figures (make figures)
 
 One torchrun launch runs all six lessons back to back (scripts/sweep.py: start-up is paid once,
 about 6 s, instead of six times). The lessons' own output (per-step lines, summaries, torchrun's
@@ -77,12 +77,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="ranks (CPU, gloo)")
     p.add_argument("--steps", type=int, default=80, help="K, optimizer steps per lesson")
-    p.add_argument("--figures", action="store_true", help="afterwards, run scripts/figures.py --quick")
+    p.add_argument("--figures", action="store_true",
+                   help="afterwards, regenerate the README's figures (scripts/figures.py, about 1.5 minutes)")
     a, flags = p.parse_known_args()  # the rest goes to every lesson (e.g. --n-layer 2)
     reports = run_sweep(a.nproc, a.steps, flags)
     print(table(reports, a.steps, a.nproc), flush=True)
     if a.figures:
-        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "figures.py"), "--quick"], cwd=ROOT, check=True)
+        # the full set, as `make figures` draws them: the README's text describes those (1-8 ranks)
+        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "figures.py")], cwd=ROOT, check=True)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where the graded files (the lessons and bucket.py) are read from: this checkout, or a student
 # edition (scripts/student_edition.py) named by DP_LESSONS. The one place the tests learn it;
 # spawned ranks and torchrun's processes inherit the variable. Support modules (common, model,
-# measure) always come from this checkout, so the reference a lesson is held to is the grader's.
+# measure) come from this checkout in spawned ranks, so the reference a lesson is held to is the
+# grader's (a lesson run as a script by torchrun imports those beside it: the edition's copies).
+# The graded tests (tests/points.toml) read it; the tools' tests (lecture, notebooks, benchmark)
+# run scripts/, which always use this checkout's lessons.
 LESSONS_DIR = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT)
+# Graded files taken from this checkout even so (DP_REFERENCE=bucket): scripts/grade.py grades
+# 05 again with the reference bucket.py when the edition's fails its own tests, so an unfinished
+# 03 costs 03's points only.
+REFERENCE = set(filter(None, os.environ.get("DP_REFERENCE", "").split(",")))
 
 
 def lesson_file(name):
     """The path of graded file `name` ("03_buckets", "bucket"): for running it as a script."""
-    return os.path.join(LESSONS_DIR, f"{name}.py")
+    return os.path.join(ROOT if name in REFERENCE else LESSONS_DIR, f"{name}.py")
 
 
 def load_lesson(name):

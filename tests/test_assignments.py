@@ -179,8 +179,14 @@ def test_a_failing_rank_ends_the_launch_quickly_with_its_message(ranks):
 
 def test_grade_table_for_the_edition_and_for_the_solutions(edition, tmp_path):
     points = tmp_path / "points.toml"
+    # "05" stands for a lesson that uses bucket.py without owning it, graded here by one test
+    # that needs bucket.py's region (05's real tests take a minute): in the edition it fails
+    # with the edition's bucket.py and must be regraded, and pass, with the reference one
+    uses = "tests/test_bucket.py::test_buckets_launch_in_order_even_when_a_later_one_fills_first"
     points.write_text('partial_credit = false\n[lessons.03_buckets]\npoints = 15\n'
-                      'tests = ["tests/test_bucket.py"]\n')
+                      'tests = ["tests/test_bucket.py"]\n'
+                      f'[lessons.05_zero2]\npoints = 20\ntests = ["{uses}"]\n'
+                      'uses = {bucket = "tests/test_bucket.py"}\n')
     grade = [sys.executable, os.path.join(ROOT, "scripts", "grade.py"), "--points", str(points)]
     env = dict(os.environ)
     env.pop("DP_LESSONS", None)
@@ -189,9 +195,12 @@ def test_grade_table_for_the_edition_and_for_the_solutions(edition, tmp_path):
     outputs = [p.communicate(timeout=120) for p in procs]
     student, solutions = [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outputs)]
     assert student.returncode == 0 and solutions.returncode == 0, student.stderr + solutions.stderr
-    rows = {l.split()[0]: l.split()[1:] for l in student.stdout.splitlines() if l.startswith(("03_", "total"))}
+    rows = {l.split()[0]: l.split()[1:] for l in student.stdout.splitlines() if l.startswith(("03_", "05_", "total"))}
     n = int(rows["03_buckets"][0].split("/")[1])
     assert rows["03_buckets"][1:] == ["0/15", "FAIL"] and 0 < int(rows["03_buckets"][0].split("/")[0]) < n
     assert "NotImplementedError: bucket.py: launch the full buckets, in order" in student.stdout
+    assert rows["05_zero2"] == ["1/1", "20/20", "PASS"], student.stdout
+    assert "05_zero2: graded with this checkout's bucket.py (the edition's fails tests/test_bucket.py)" in student.stdout
     assert f"03_buckets {n}/{n} 15/15 PASS" in " ".join(solutions.stdout.split())
-    assert f"total {n}/{n} 15/15" in " ".join(solutions.stdout.split())
+    assert f"total {n + 1}/{n + 1} 35/35" in " ".join(solutions.stdout.split())
+    assert "graded with this checkout's" not in solutions.stdout

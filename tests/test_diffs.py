@@ -9,6 +9,8 @@ import diffs  # noqa: E402
 def test_diffs_are_up_to_date():
     assert len(diffs.expected()) == len(diffs.available_lessons()) - 1
     assert diffs.stale() == [], "lessons changed: run `make diffs` (python scripts/diffs.py)"
+    # 03's idea is half in bucket.py: its diff shows the new file whole
+    assert "\n--- /dev/null\n+++ bucket.py\n" in diffs.expected()["02_to_03.diff"]
 
 
 def test_diffs_are_stable():

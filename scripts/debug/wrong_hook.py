@@ -3,11 +3,13 @@
     torchrun --nproc_per_node=2 scripts/debug/wrong_hook.py           # the bug
     torchrun --nproc_per_node=2 scripts/debug/wrong_hook.py --fixed   # the fix
 
-`register_post_accumulate_grad_hook(hook)` calls hook(param) once param.grad is final: the
-argument is the PARAMETER. A hook written as if it received the gradient all-reduces the
-weights (identical on every rank, so nothing visible happens) and never touches .grad. Every
-rank then steps with its own local gradient: nothing crashes, the loss still falls, but the
-replicas drift apart and no longer match single-process training on the global batch.
+`p.register_hook(hook)` (a Tensor hook) fires when p's gradient has been COMPUTED, before it is
+accumulated into p.grad. A hook there that averages p.grad finds p.grad still None (zero_grad()
+sets it to None) or holding the previous micro-step's sum, so it averages nothing; autograd then
+writes the local gradient into p.grad. Every rank steps with its own local gradient: nothing
+crashes, the loss still falls, but the replicas drift apart and no longer match single-process
+training on the global batch. The event that means "p.grad is final" is
+`register_post_accumulate_grad_hook`, whose hook receives the parameter.
 """
 import os
 import sys
@@ -26,19 +28,18 @@ def make_model():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
-def broken_hook(grad):  # BUG: the argument is the parameter, not its gradient
-    grad.div_(world)
-    dist.all_reduce(grad)
-
-
-def fixed_hook(param):  # the argument is the parameter; its accumulated gradient is param.grad
-    param.grad.div_(world)
-    dist.all_reduce(param.grad)
+def average_grad(param):  # the hook's work: param.grad becomes the mean over ranks
+    if param.grad is not None:  # None: no gradient yet, nothing to average (the bug hides here)
+        param.grad.div_(world)
+        dist.all_reduce(param.grad)
 
 
 model, reference = make_model(), make_model()  # reference: one process, the whole global batch
 for p in model.parameters():
-    p.register_post_accumulate_grad_hook(fixed_hook if FIXED else broken_hook)
+    if FIXED:  # after accumulation: p.grad is this backward's complete gradient
+        p.register_post_accumulate_grad_hook(average_grad)
+    else:      # BUG: before accumulation, p.grad is still None; the gradient lands after the hook
+        p.register_hook(lambda grad, p=p: average_grad(p))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
 
@@ -65,9 +66,10 @@ if rank == 0:
     if spread.item() > 1e-6 or off > 1e-5:
         print(f"SYMPTOM: after 5 steps the replicas differ by {spread.item():.2e} (max |rank0 - rank r|) "
               f"and rank 0 differs from single-process training by {off:.2e}")
-        print("CAUSE:   register_post_accumulate_grad_hook passes the parameter, not the gradient: "
-              "the hook all-reduced the weights and never touched .grad")
-        print("FIX:     hook(param): param.grad.div_(world); dist.all_reduce(param.grad)  (run with --fixed)")
+        print("CAUSE:   p.register_hook fires before the gradient is accumulated into p.grad: "
+              "the hook found p.grad None and averaged nothing, then the local gradient landed")
+        print("FIX:     p.register_post_accumulate_grad_hook(hook): hook(param) runs once param.grad is "
+              "final  (run with --fixed)")
     else:
         print(f"FIXED: replicas identical (max diff {spread.item():.1e}), "
               f"single-process training matched to {off:.1e}")
