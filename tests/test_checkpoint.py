@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import checkpoint
 import common
-from harness import ROOT, lesson_file, run_lesson, spawn
+from harness import ROOT, lesson_file, reference, run_lesson, spawn
 from lessons import build
 from model import GPT
 from toy import BATCH, make_toy, toy_batch
@@ -88,16 +88,20 @@ def toy_steps(trainer, steps):
 def toy_resumed(lesson, path):
     """A ToyNet from other weights (its frozen layer too), loaded from `path`, steps 2 and 3."""
     trainer = build(lesson, make_toy(seed=7))
+    torch.manual_seed(1234)  # another RNG state: the checkpoint must bring back the saved one
     checkpoint.load(path, *handles(lesson, trainer))
-    return {"losses": toy_steps(trainer, [2, 3]), "params": trainer.full_parameters()}
+    rng = torch.rand(4)  # what this rank draws next (the lessons draw nothing; other code might)
+    return {"losses": toy_steps(trainer, [2, 3]), "params": trainer.full_parameters(), "rng": rng}
 
 
 def toy_saved(lesson, root):
     """ToyNet (tied, frozen, unused, 119 trainable elements): steps 0-1, save, steps 2-3."""
     trainer = build(lesson, make_toy(seed=0))
     toy_steps(trainer, [0, 1])
+    torch.manual_seed(100 + dist.get_rank())  # every rank its own RNG state, saved in its file
     checkpoint.save(step_dir(root, 2), 2, *handles(lesson, trainer), {"strategy": lesson})
-    return {"losses": toy_steps(trainer, [2, 3]), "params": trainer.full_parameters()}
+    rng = torch.rand(4)
+    return {"losses": toy_steps(trainer, [2, 3]), "params": trainer.full_parameters(), "rng": rng}
 
 
 # ----------------------------------------------------------------------------- refused loads
@@ -263,6 +267,11 @@ def tail(run, start):
 def test_resume_is_exact_for_every_lesson(root):
     # Same world size: every rank gets back bit for bit the state it had (its shard, fp32
     # masters, Adam moments and step counts) and sums in the same order: identical losses.
+    # And the run it is compared with, which saved at steps 2, 4 and 6, trained as a run that
+    # never saves: single-process training, within the lessons' fp32 TOL (zero_parity says why).
+    ref = reference(ARGV)
+    for lesson in LESSONS:
+        close(world2(root)[0]["full"][lesson], ref)
     for out in world2(root):
         for lesson in LESSONS:
             full, resumed = out["full"][lesson], out["resumed"][lesson]
@@ -383,6 +392,8 @@ def test_toy_tied_frozen_and_unused_parameters_round_trip(root):
     for out in world2(root):
         for lesson in TOY_LESSONS:
             identical(out["toy"][lesson]["resumed"], out["toy"][lesson]["saved"])
+            # each rank's RNG state came back: it draws what it would have drawn had it not stopped
+            assert torch.equal(out["toy"][lesson]["resumed"]["rng"], out["toy"][lesson]["saved"]["rng"])
     # at 4 ranks: 119 trainable elements, padded to 120 (within TOL: another summation order)
     for out in world4(root):
         for lesson in TOY_LESSONS:
