@@ -18,7 +18,7 @@ In the edition the solution becomes one line at the fence's indentation,
 and a test that reaches the region fails with that message. The fences and the TODO stay: the
 student writes between them, and stripping an edition again changes nothing. Only top-level
 *.py files are fenced (the lessons and bucket.py); everything else is copied as it is, except
-what would show the solutions (docs/diffs/ and its test). The output depends only on the
+what would show the solutions (docs/diffs/ and its test) and the tests of this tooling. The output depends only on the
 source's files (no timestamps), so generating twice gives identical bytes.
 """
 import argparse
@@ -32,7 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAMP = "ASSIGNMENT.md"  # marks a directory as an edition: safe to regenerate, never a source
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ipynb_checkpoints", "runs"}
 # The diffs between consecutive lessons contain every solution (and their test needs them).
-SKIP_PATHS = {"docs/diffs", "tests/test_diffs.py"}
+# The tests of the assignment tooling hold this checkout's solutions to passing: in an edition
+# they would fail for reasons that are not the student's.
+SKIP_PATHS = {"docs/diffs", "tests/test_diffs.py", "tests/test_assignments.py"}
 BEGIN = re.compile(r"^([ \t]*)# ### BEGIN SOLUTION:[ \t]*(\S.*?)[ \t]*$")
 END = re.compile(r"^([ \t]*)# ### END SOLUTION[ \t]*$")
 ANY = re.compile(r"#\s*###\s*(BEGIN|END)\s+SOLUTION")  # a fence, well-formed or not

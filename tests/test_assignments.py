@@ -119,6 +119,7 @@ def test_edition_is_stripped_and_idempotent(edition, tmp_path):
         text = first[f"{name}.py"][0].decode()
         assert text == se.strip(solution, f"{name}.py") and "NotImplementedError" in text
     assert not any(p.startswith(os.path.join("docs", "diffs")) for p in first)  # they hold the solutions
+    assert "tests/test_assignments.py" not in first  # holds ROOT's solutions to passing
     assert "ASSIGNMENT.md" in first and "tests/harness.py" in first and "common.py" in first
     assert se.main([edition]) == 0  # again, in place: nothing changes
     assert tree(edition) == first
