@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where the graded files (the lessons and bucket.py) are read from: this checkout, or a student
 # edition (scripts/student_edition.py) named by DP_LESSONS. The one place the tests learn it;
-# spawned ranks and torchrun's processes inherit the variable. Support modules (common, model,
+# spawned ranks and torchrun's processes inherit the variable (set it before pytest starts: see
+# spawn() for why a change during the run reaches only fresh=True launches). Support modules (common, model,
 # measure) come from this checkout in spawned ranks, so the reference a lesson is held to is the
 # grader's (a lesson run as a script by torchrun imports those beside it: the edition's copies).
 # The graded tests (tests/points.toml) read it; the tools' tests (lecture, notebooks, benchmark)
@@ -88,11 +89,21 @@ def _worker(rank, world, port, fn, args, out_dir):
     os._exit(code)  # see common.exit_process: avoids gloo's rare abort at interpreter exit
 
 
-def spawn(world, fn, *args, timeout=300):
+# Ranks are forked from a server process that has imported torch once, and torch._dynamo, which
+# the first optimizer step of every process imports (forkserver, with those preloaded): a rank
+# then starts in well under a second instead of about 4 s, and the suite runs dozens of them.
+# The server is started with the environment of the first launch; `fresh=True` starts each rank
+# as a new interpreter instead (spawn), for a test that changes the environment first or that
+# wants nothing shared between launches.
+_FORKSERVER = mp.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+
+
+def spawn(world, fn, *args, timeout=300, fresh=False):
     """Run fn(*args) on `world` ranks inside an initialised gloo group; return each rank's
     result. fn must be a module-level function (it is pickled by name)."""
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn") if fresh else _FORKSERVER
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_worker, args=(r, world, store.port, fn, args, out_dir))
                  for r in range(world)]

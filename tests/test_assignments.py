@@ -155,7 +155,7 @@ def _every_lesson_through_the_adapter():
 
 def test_edition_loads_through_the_adapter_and_each_lesson_names_its_todo(edition, monkeypatch):
     monkeypatch.setenv("DP_LESSONS", edition)  # what the spawned ranks read
-    for out in spawn(2, _every_lesson_through_the_adapter, timeout=120):
+    for out in spawn(2, _every_lesson_through_the_adapter, timeout=120, fresh=True):  # sees DP_LESSONS
         assert set(out["files"].values()) == {edition}  # bucket.py too, not the solutions'
         for lesson, (file, title) in FIRST.items():
             assert out[lesson] == se.message(file, title)
