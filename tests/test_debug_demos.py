@@ -1,7 +1,8 @@
 """scripts/debug/: each demonstration shows its symptom when broken and not with --fixed.
 
 All six runs (3 demos x broken/fixed, 2 ranks each) start at once, as torchrun subprocesses,
-so the test costs about one torchrun start-up plus the hang demo's 5 s timeout."""
+so the test costs their start-ups on the machine's cores (18 processes importing torch: about
+30 s on 2 idle cores) plus the hang demo's 5 s timeout, not six launches one after another."""
 import os
 import subprocess
 import sys
