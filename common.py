@@ -104,10 +104,17 @@ def parse_args(argv=None, description=""):
     return args
 
 
+def say(line):
+    """One line to stderr in one write: ranks share torchrun's stderr, and print() may split a
+    line from its newline, gluing two ranks' lines together."""
+    sys.stderr.flush()
+    os.write(2, (line + "\n").encode())
+
+
 def fail(message, code=2):
     """A clear one-line error from rank 0 and a non-zero exit from every rank."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        say(f"error: {message}")
     else:  # let rank 0 speak first: torchrun stops the other ranks as soon as one exits, and
         # then this rank has nothing to add (rank 0 said what was wrong)
         signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
@@ -185,17 +192,22 @@ def _start_heartbeat(rank):
 _diagnosing = False  # set while a failure is being explained: a SIGTERM must not cut it short
 
 
-def lost_ranks():
+def lost_ranks(stopping=False):
     """The ranks whose heartbeat stopped, watched for three beats; None if the store itself is
-    unreachable (then the rank or launcher that hosted it, rank 0's node, is the one lost)."""
+    unreachable (then the rank or launcher that hosted it, rank 0's node, is the one lost).
+    stopping: this rank was told to stop (SIGTERM) and says so first, so that peers stopped
+    with it are not reported as lost when its heartbeat ends."""
     global _diagnosing
     _diagnosing = True
     try:
         store = dist.distributed_c10d._get_default_store()
+        if stopping:
+            store.set(f"stopping/{dist.get_rank()}", "")
         keys = [f"heartbeat/{r}" for r in range(dist.get_world_size())]
         before = [store.add(k, 0) for k in keys]  # add 0: read a counter without blocking
         time.sleep(3 * HEARTBEAT_S)
-        return [r for r, k in enumerate(keys) if store.add(k, 0) == before[r]]
+        return [r for r, k in enumerate(keys)
+                if store.add(k, 0) == before[r] and not store.check([f"stopping/{r}"])]
     except Exception:
         return None
 
@@ -222,11 +234,12 @@ def run_main(main):
         if _diagnosing:  # this rank is already naming the lost peer; it exits when done
             return       # (torchrun waits 30 s before it sends SIGKILL)
         # The heartbeats live in torchrun's store, which outlives its workers: name who is gone.
-        lost = lost_ranks() if dist.is_initialized() and dist.get_world_size() > 1 else None
+        lost = lost_ranks(stopping=True) if dist.is_initialized() and dist.get_world_size() > 1 else None
         why = (f"lost rank {', '.join(map(str, lost))} (no heartbeat for {3 * HEARTBEAT_S:.0f} s)" if lost
+               else "every rank is still beating, so the stop came from outside the job" if lost == []
                else "most likely because another rank failed")
-        print(f"error (rank {os.environ.get('RANK', '0')}): stopped by the launcher (SIGTERM): {why}; "
-              "see the launcher's report", file=sys.stderr, flush=True)
+        say(f"error (rank {os.environ.get('RANK', '0')}): stopped by the launcher (SIGTERM): {why}; "
+            "see the launcher's report")
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped)
@@ -246,8 +259,7 @@ def run_main(main):
                 first = f"lost rank 0 (its rendezvous store is unreachable); {first}"
             elif lost:
                 first = f"lost rank {', '.join(map(str, lost))} (no heartbeat for {3 * HEARTBEAT_S:.0f} s); {first}"
-        print(f"error (rank {rank}): {type(e).__name__}: {first}"
-              " (DP_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
+        say(f"error (rank {rank}): {type(e).__name__}: {first} (DP_DEBUG=1 shows the traceback)")
         exit_process(1)
     exit_process(0)
 
