@@ -22,7 +22,7 @@ figures: setup   ## regenerate the README's figures from fresh runs
 	.venv/bin/python scripts/figures.py
 
 lecture: setup   ## the lecture run: 01 -> 06 at 2 ranks in one launch, one table (about 2 minutes); FIGURES=1 also redraws the README's figures
-	.venv/bin/python scripts/lecture.py $(if $(FIGURES),--figures)
+	.venv/bin/python scripts/lecture.py $(if $(filter 1 yes true,$(FIGURES)),--figures)
 
 diffs: setup     ## regenerate docs/diffs/ (the diff between consecutive lessons)
 	.venv/bin/python scripts/diffs.py

@@ -98,27 +98,30 @@ def of(results, tests):
 
 def regrade_with_reference(edition, lessons, results, tmp, verbose):
     """Lessons that failed while a graded file they use failed its own tests: run their tests
-    again with this checkout's copy of that file. Updates `results`; returns {lesson: note}."""
-    notes = {}
+    again with this checkout's copy of that file. Returns {lesson: (its results, note)}, for
+    that lesson's row only (a test graded for two lessons keeps its first result for the other)."""
+    regraded = {}
     for name, spec in lessons.items():
         broken = [f for f, tests in spec["uses"].items()
                   if not all(ok for ok, _ in of(results, [tests]).values())]
-        if not broken or all(ok for ok, _ in of(results, spec["tests"]).values()):
+        first = of(results, spec["tests"])
+        if not broken or all(ok for ok, _ in first.values()):
             continue
         junit = os.path.join(tmp, f"junit_{name}.xml")
         run_pytest(edition, spec["tests"], junit, verbose, reference=broken)
-        if os.path.exists(junit):
-            results.update(of(outcomes(junit), spec["tests"]))
-            notes[name] = (f"graded with this checkout's {', '.join(f + '.py' for f in broken)} "
-                           f"(the edition's fails {', '.join(spec['uses'][f] for f in broken)})")
-    return notes
+        again = of(outcomes(junit), spec["tests"]) if os.path.exists(junit) else {}
+        if sum(ok for ok, _ in again.values()) > sum(ok for ok, _ in first.values()):  # the better run
+            regraded[name] = (again, f"graded with this checkout's {', '.join(f + '.py' for f in broken)} "
+                                     f"(the edition's fails {', '.join(spec['uses'][f] for f in broken)})")
+    return regraded
 
 
-def grade(results, lessons, partial):
-    """[(lesson, passed, total, earned, points, reasons {reason: count})] for the table."""
+def grade(results, lessons, partial, regraded=None):
+    """[(lesson, passed, total, earned, points, reasons {reason: count})] for the table;
+    `regraded` {lesson: (results, note)} replaces a lesson's own results."""
     rows = []
     for name, spec in lessons.items():
-        mine = of(results, spec["tests"])
+        mine = (regraded or {}).get(name, (of(results, spec["tests"]), ""))[0]
         passed = sum(ok for ok, _ in mine.values())
         total = len(mine)
         complete = total > 0 and passed == total
@@ -177,13 +180,13 @@ def main(argv=None):
             print(f"error: pytest produced no results:\n{output}", file=sys.stderr)
             return 2
         results = outcomes(junit)
-        notes = regrade_with_reference(edition, lessons, results, tmp, a.verbose)
-    rows = grade(results, lessons, partial)
+        regraded = regrade_with_reference(edition, lessons, results, tmp, a.verbose)
+    rows = grade(results, lessons, partial, regraded)
     graded = set().union(*(of(results, s["tests"]) for s in lessons.values()))
     print(f"grading {edition} ({len(graded)} tests, {time.monotonic() - t0:.0f} s)\n")
     print(table(rows))
-    if notes:
-        print("\n" + "\n".join(f"  {name}: {note}" for name, note in notes.items()))
+    if regraded:
+        print("\n" + "\n".join(f"  {name}: {note}" for name, (_, note) in regraded.items()))
     if any(r[5] for r in rows):
         print("\nfailures:\n" + failures(rows))
     return 0

@@ -3,6 +3,7 @@ a free port), and train the single-process reference every lesson is held to."""
 import functools
 import importlib.util
 import os
+import random
 import sys
 import tempfile
 import time
@@ -15,8 +16,8 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where the graded files (the lessons and bucket.py) are read from: this checkout, or a student
 # edition (scripts/student_edition.py) named by DP_LESSONS. The one place the tests learn it;
-# spawned ranks and torchrun's processes inherit the variable (set it before pytest starts: see
-# spawn() for why a change during the run reaches only fresh=True launches). Support modules (common, model,
+# spawned ranks and torchrun's processes inherit the variable (with it set, spawn() starts
+# every rank as a new interpreter). Support modules (common, model,
 # measure) come from this checkout in spawned ranks, so the reference a lesson is held to is the
 # grader's (a lesson run as a script by torchrun imports those beside it: the edition's copies).
 # The graded tests (tests/points.toml) read it; the tools' tests (lecture, notebooks, benchmark)
@@ -73,6 +74,10 @@ def _worker(rank, world, port, fn, args, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    # Forked ranks would all inherit the server's generator states: draw new ones, as a new
+    # interpreter does, so code that draws without a seed differs between ranks here as well.
+    torch.seed()
+    random.seed()
     code = 0
     try:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
@@ -92,9 +97,10 @@ def _worker(rank, world, port, fn, args, out_dir):
 # Ranks are forked from a server process that has imported torch once, and torch._dynamo, which
 # the first optimizer step of every process imports (forkserver, with those preloaded): a rank
 # then starts in well under a second instead of about 4 s, and the suite runs dozens of them.
-# The server is started with the environment of the first launch; `fresh=True` starts each rank
-# as a new interpreter instead (spawn), for a test that changes the environment first or that
-# wants nothing shared between launches.
+# Forked ranks share what the server had: its environment (from the first launch) and its hash
+# seed. So each rank starts as a new interpreter instead (spawn) with `fresh=True`, and whenever
+# graded files come from elsewhere (DP_LESSONS, DP_REFERENCE: set before or during the run, and
+# a student's code must meet what torchrun gives it, a hash seed of its own included).
 _FORKSERVER = mp.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
 
@@ -103,6 +109,8 @@ def spawn(world, fn, *args, timeout=300, fresh=False):
     """Run fn(*args) on `world` ranks inside an initialised gloo group; return each rank's
     result. fn must be a module-level function (it is pickled by name)."""
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    elsewhere = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT) != ROOT or os.environ.get("DP_REFERENCE")
+    fresh = fresh or bool(elsewhere)  # (read now: a test may set DP_LESSONS after the first launch)
     ctx = mp.get_context("spawn") if fresh else _FORKSERVER
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_worker, args=(r, world, store.port, fn, args, out_dir))

@@ -155,7 +155,7 @@ def _every_lesson_through_the_adapter():
 
 def test_edition_loads_through_the_adapter_and_each_lesson_names_its_todo(edition, monkeypatch):
     monkeypatch.setenv("DP_LESSONS", edition)  # what the spawned ranks read
-    for out in spawn(2, _every_lesson_through_the_adapter, timeout=120, fresh=True):  # sees DP_LESSONS
+    for out in spawn(2, _every_lesson_through_the_adapter, timeout=120):
         assert set(out["files"].values()) == {edition}  # bucket.py too, not the solutions'
         for lesson, (file, title) in FIRST.items():
             assert out[lesson] == se.message(file, title)
@@ -176,6 +176,18 @@ def test_a_failing_rank_ends_the_launch_quickly_with_its_message(ranks):
     # measured 4 s idle, 16 s on a loaded machine; a hang would be spawn's TimeoutError at 60 s.
     # It ends because the failing rank's exit closes its sockets: the peer's collective errors.
     assert time.monotonic() - t0 < 50
+
+
+def test_a_regraded_lesson_changes_only_its_own_row():
+    import grade  # scripts/grade.py
+    results = {"tests/t.py::a": (False, "NotImplementedError: bucket.py"), "tests/t.py::b": (True, "")}
+    lessons = {"03_buckets": {"points": 10, "tests": ["tests/t.py"], "uses": {}},
+               "05_zero2": {"points": 20, "tests": ["tests/t.py::a"], "uses": {"bucket": "tests/t.py"}}}
+    regraded = {"05_zero2": ({"tests/t.py::a": (True, "")}, "graded with this checkout's bucket.py")}
+    for partial in (False, True):
+        rows = {r[0]: r[1:5] for r in grade.grade(results, lessons, partial, regraded)}
+        assert rows["05_zero2"] == (1, 1, 20, 20)
+        assert rows["03_buckets"] == (1, 2, 5.0 if partial else 0, 10)  # test a still failed for 03
 
 
 def test_grade_table_for_the_edition_and_for_the_solutions(edition, tmp_path):

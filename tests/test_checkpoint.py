@@ -221,7 +221,7 @@ def suite_resume(root, src, step, tag, lessons, save=False, toy=False):
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     # brackets, braces and a space: the paths land in meta.json (config) and must survive it
-    return str(tmp_path_factory.mktemp("checkpoints") / "run [1] {a}")
+    return str(tmp_path_factory.mktemp("checkpoints") / "run [a] {b}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -389,9 +389,12 @@ def test_crash_during_save_resumes_from_the_previous_complete_checkpoint(root):
 def test_toy_tied_frozen_and_unused_parameters_round_trip(root):
     # the toy starts from other weights (seed 7, its frozen layer too): only the checkpoint can
     # bring it back, and then bit for bit at the same world size
-    for out in world2(root):
+    for rank, out in enumerate(world2(root)):
         for lesson in TOY_LESSONS:
             identical(out["toy"][lesson]["resumed"], out["toy"][lesson]["saved"])
+            # saving drew nothing from the global generator: the draw after it is seed 100 + rank's first
+            first = torch.rand(4, generator=torch.Generator().manual_seed(100 + rank))
+            assert torch.equal(out["toy"][lesson]["saved"]["rng"], first)
             # each rank's RNG state came back: it draws what it would have drawn had it not stopped
             assert torch.equal(out["toy"][lesson]["resumed"]["rng"], out["toy"][lesson]["saved"]["rng"])
     # at 4 ranks: 119 trainable elements, padded to 120 (within TOL: another summation order)
