@@ -110,7 +110,8 @@ def regrade_with_reference(edition, lessons, results, tmp, verbose):
         junit = os.path.join(tmp, f"junit_{name}.xml")
         run_pytest(edition, spec["tests"], junit, verbose, reference=broken)
         again = of(outcomes(junit), spec["tests"]) if os.path.exists(junit) else {}
-        if sum(ok for ok, _ in again.values()) > sum(ok for ok, _ in first.values()):  # the better run
+        # the regrade unless it did worse: its failures then name the lesson's own regions
+        if again and sum(ok for ok, _ in again.values()) >= sum(ok for ok, _ in first.values()):
             regraded[name] = (again, f"graded with this checkout's {', '.join(f + '.py' for f in broken)} "
                                      f"(the edition's fails {', '.join(spec['uses'][f] for f in broken)})")
     return regraded

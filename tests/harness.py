@@ -17,9 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where the graded files (the lessons and bucket.py) are read from: this checkout, or a student
 # edition (scripts/student_edition.py) named by DP_LESSONS. The one place the tests learn it;
 # spawned ranks and torchrun's processes inherit the variable (with it set, spawn() starts
-# every rank as a new interpreter). Support modules (common, model,
-# measure) come from this checkout in spawned ranks, so the reference a lesson is held to is the
-# grader's (a lesson run as a script by torchrun imports those beside it: the edition's copies).
+# every rank as a new interpreter). Support modules (common, model, measure) come from this
+# checkout in spawned ranks, so the reference a lesson is held to is the grader's (a lesson run
+# as a script by torchrun imports those beside it: the edition's copies).
 # The graded tests (tests/points.toml) read it; the tools' tests (lecture, notebooks, benchmark)
 # run scripts/, which always use this checkout's lessons.
 LESSONS_DIR = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT)
