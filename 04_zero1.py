@@ -99,11 +99,11 @@ class ZeRO1Optimizer:
         # exactly one all-reduce. (Divide first, then SUM, as in 01.)
         # ### BEGIN SOLUTION: 1) reduce-scatter the gradient
         # TODO: divide self.flat_grad (numel_padded,) by self.world_size in place, then
-        #       reduce-scatter it (dist.reduce_scatter_single, torch 2.13's name of
-        #       reduce_scatter_tensor) into a new tensor grad_shard shaped like self.param_shard.
+        #       reduce-scatter it (dist.reduce_scatter_tensor) into a new tensor grad_shard
+        #       shaped like self.param_shard.
         self.flat_grad.div_(self.world_size)
         grad_shard = torch.empty_like(self.param_shard)  # (numel_padded / N,)
-        dist.reduce_scatter_single(grad_shard, self.flat_grad)  # was reduce_scatter_tensor
+        dist.reduce_scatter_tensor(grad_shard, self.flat_grad)
         # ### END SOLUTION
 
         # 2) AdamW on my shard, in fp32 (bf16 gradients are cast up first, as 01-03 do)
@@ -119,9 +119,9 @@ class ZeRO1Optimizer:
         # ### BEGIN SOLUTION: 3) all-gather the parameters
         # TODO: copy self.master_shard into self.param_shard (casts to the working precision),
         #       then all-gather every rank's param_shard into self.flat_param
-        #       (dist.all_gather_single, torch 2.13's name of all_gather_into_tensor).
+        #       (dist.all_gather_into_tensor).
         self.param_shard.copy_(self.master_shard)
-        dist.all_gather_single(self.flat_param, self.param_shard)  # was all_gather_into_tensor
+        dist.all_gather_into_tensor(self.flat_param, self.param_shard)
         # ### END SOLUTION
 
     def clip_grad_norm_(self, grads):

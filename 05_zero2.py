@@ -23,8 +23,9 @@ the step each bucket is all-gathered. Communication is the same as in 01 and 04:
 PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)`; DeepSpeed: ZeRO stage 2.
 
 Gradient accumulation (--grad-accum K): this lesson reduce-scatters on every micro-step and
-adds my slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do. The
-other choice, accumulating locally and reducing once, needs the whole gradient alive between
+adds my slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do, in
+fp32 (in bf16 mode the shard becomes fp32 at the second micro-step: 4 Psi / N bytes). The other
+choice, accumulating locally and reducing once, needs the whole gradient alive between
 micro-steps: 2 Psi bytes, ZeRO-1's gradient memory, which is what this stage exists to remove.
 The price of keeping 2 Psi / N: K reduce-scatters per optimizer step, (K + 1) Psi (N-1)/N
 elements sent instead of 2 Psi (N-1)/N, each hidden behind its micro-step's backward as far
@@ -110,12 +111,12 @@ class ZeRO2Optimizer:
         # TODO: divide bucket.buffer (numel_padded,) by self.world_size in place; allocate
         #       grad_shard (numel_padded / N,) of the bucket's dtype and device, record it in
         #       self.grad_shards_in_flight[bucket.index], and return the work handle of an async
-        #       dist.reduce_scatter_single (torch 2.13's reduce_scatter_tensor) into it.
+        #       dist.reduce_scatter_tensor into it.
         bucket.buffer.div_(self.world_size)
         grad_shard = torch.empty(bucket.numel_padded // self.world_size, dtype=bucket.dtype,
                                  device=bucket.device)  # (numel_padded / N,)
         self.grad_shards_in_flight[bucket.index] = grad_shard
-        return dist.reduce_scatter_single(grad_shard, bucket.buffer, async_op=True)  # was reduce_scatter_tensor
+        return dist.reduce_scatter_tensor(grad_shard, bucket.buffer, async_op=True)
         # ### END SOLUTION
 
     @torch.no_grad()
@@ -123,13 +124,15 @@ class ZeRO2Optimizer:
         """BucketManager's on_done(bucket): keep my slice, drop the full-size buffer."""
         # ### BEGIN SOLUTION: keep my slice, free the bucket
         # TODO: take this bucket's reduce-scattered shard out of self.grad_shards_in_flight;
-        #       store it in self.grad_shards[bucket.index], or add it there if a micro-step
-        #       already left one; then drop the full-size buffer (bucket.buffer = None).
+        #       store it in self.grad_shards[bucket.index], or, if a micro-step already left
+        #       one, add it there in fp32; then drop the full-size buffer (bucket.buffer = None).
         grad_shard = self.grad_shards_in_flight.pop(bucket.index)
         if self.grad_shards[bucket.index] is None:
             self.grad_shards[bucket.index] = grad_shard
-        else:  # a later micro-step: accumulate in the shard (see the docstring)
-            self.grad_shards[bucket.index] += grad_shard
+        else:  # a later micro-step: accumulate in my shard (see the docstring), in fp32 as FSDP2
+            # and DeepSpeed do: a bf16 sum keeps 8 bits, so each addition would round away up to
+            # 2^-9 of the total, more with every micro-step. (In fp32 mode .float() is a no-op.)
+            self.grad_shards[bucket.index] = self.grad_shards[bucket.index].float().add_(grad_shard)
         bucket.buffer = None  # freed: the next bucket to fill gets the memory back
         # ### END SOLUTION
 
@@ -156,7 +159,7 @@ class ZeRO2Optimizer:
         for flat_param, param_shard, master_shard in zip(self.flat_params, self.param_shards, self.master_shards):
             master_shard.grad = None  # gradient shards live only until the step
             param_shard.copy_(master_shard)
-            works.append(dist.all_gather_single(flat_param, param_shard, async_op=True))  # was all_gather_into_tensor
+            works.append(dist.all_gather_into_tensor(flat_param, param_shard, async_op=True))
         for work in works:
             work.wait()
 

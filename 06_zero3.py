@@ -175,14 +175,13 @@ class ZeRO3:
         # ### BEGIN SOLUTION: gather a unit
         # TODO: if flat_param's storage is freed (size 0), give it numel x element_size bytes
         #       again, fill it with NaN when self.fill_nan_before_gather (the tests' poison), and
-        #       start an async dist.all_gather_single of unit.param_shard into it, kept in
+        #       start an async dist.all_gather_into_tensor of unit.param_shard into it, kept in
         #       unit.gather_work. Then, if `wait`, wait for unit.gather_work and set it to None.
         if flat_param.untyped_storage().size() == 0:
             flat_param.untyped_storage().resize_(flat_param.numel() * flat_param.element_size())
             if self.fill_nan_before_gather:
                 flat_param.fill_(float("nan"))
-            # (all_gather_single is the torch 2.13 name of all_gather_into_tensor)
-            unit.gather_work = dist.all_gather_single(flat_param, unit.param_shard, async_op=True)
+            unit.gather_work = dist.all_gather_into_tensor(flat_param, unit.param_shard, async_op=True)
         if wait and unit.gather_work is not None:
             unit.gather_work.wait()
             unit.gather_work = None
@@ -253,12 +252,11 @@ class ZeRO3:
         # global gradient is the SUM over ranks divided by N (divide first, as in 01).
         # ### BEGIN SOLUTION: reduce-scatter a unit's gradient
         # TODO: divide unit.flat_grad (numel_padded,) by self.world_size in place, start an
-        #       async dist.reduce_scatter_single of it into a new grad_shard shaped like
+        #       async dist.reduce_scatter_tensor of it into a new grad_shard shaped like
         #       unit.param_shard, and append (unit, work, grad_shard) to self.grads_in_flight.
         unit.flat_grad.div_(self.world_size)
         grad_shard = torch.empty_like(unit.param_shard)  # (numel_padded / N,)
-        # (reduce_scatter_single is the torch 2.13 name of reduce_scatter_tensor)
-        work = dist.reduce_scatter_single(grad_shard, unit.flat_grad, async_op=True)
+        work = dist.reduce_scatter_tensor(grad_shard, unit.flat_grad, async_op=True)
         self.grads_in_flight.append((unit, work, grad_shard))
         # ### END SOLUTION
         unit.reduced = True
@@ -266,8 +264,9 @@ class ZeRO3:
     def _wait_reduce_scatters(self):
         for unit, work, grad_shard in self.grads_in_flight:
             work.wait()
-            # Micro-steps add up in my shard: no rank ever keeps a unit's full gradient.
-            unit.grad_shard = grad_shard if unit.grad_shard is None else unit.grad_shard.add_(grad_shard)
+            # Micro-steps add up in my shard: no rank ever keeps a unit's full gradient. In fp32,
+            # as in 05: a bf16 sum would round at every micro-step (fp32 mode: .float() is a no-op).
+            unit.grad_shard = grad_shard if unit.grad_shard is None else unit.grad_shard.float().add_(grad_shard)
             unit.flat_grad = None  # 5) free the full gradient
         self.grads_in_flight = []
 
@@ -330,7 +329,7 @@ class ZeRO3:
         full = {}
         for u in self.units:
             flat = torch.empty(u.numel_padded, dtype=u.param_shard.dtype, device=u.param_shard.device)
-            dist.all_gather_single(flat, u.param_shard)
+            dist.all_gather_into_tensor(flat, u.param_shard)
             for p, start in zip(u.params, u.offsets):
                 full[p] = flat[start:start + p.numel()].view(p.shape).float().clone()
         return {name: full[p] for name, p in self.module.named_parameters()}

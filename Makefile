@@ -1,39 +1,45 @@
 # The two commands of the quick start. Each sets up .venv (pinned, torch first) when missing.
-.PHONY: demo test bench scaling figures setup lecture diffs timelines
+# PYTHON=python3 make <target>: use that interpreter and its torch as they are, build no .venv
+# (a GPU machine with torch preinstalled and no network).
+.PHONY: demo test bench scaling figures setup lecture diffs timelines gpu-check
 export OMP_NUM_THREADS ?= 1
 export PYTHONWARNINGS ?= ignore::FutureWarning
+PY := $(if $(PYTHON),$(PYTHON),.venv/bin/python)
 
 setup:
-	@bash scripts/setup.sh
+	@$(if $(PYTHON),true,bash scripts/setup.sh)
 
 demo: setup      ## run every lesson at 2 ranks on CPU and print one comparison table
-	.venv/bin/python scripts/demo.py --nproc 2
+	$(PY) scripts/demo.py --nproc 2
 
 test: setup      ## the whole test suite (CPU, gloo)
-	.venv/bin/python -m pytest -q tests
+	$(PY) -m pytest -q tests
 
 bench: setup     ## every lesson against its PyTorch counterpart, interleaved: runs/bench/bench.{md,json,png}
-	.venv/bin/python scripts/bench.py
+	$(PY) scripts/bench.py
 
 scaling: setup   ## step time, bytes sent and held per rank vs model size (~1M-50M) and world size (1, 2, 4)
-	.venv/bin/python scripts/scaling.py
+	$(PY) scripts/scaling.py
 
 figures: setup   ## regenerate the README's figures from fresh runs
-	.venv/bin/python scripts/figures.py
+	$(PY) scripts/figures.py
 
 lecture: setup   ## the lecture run: 01 -> 06 at 2 ranks in one launch, one table (about 2 minutes); FIGURES=1 also redraws the README's figures
-	.venv/bin/python scripts/lecture.py $(if $(filter 1 yes true,$(FIGURES)),--figures)
+	$(PY) scripts/lecture.py $(if $(filter 1 yes true,$(FIGURES)),--figures)
 
 diffs: setup     ## regenerate docs/diffs/ (the diff between consecutive lessons)
-	.venv/bin/python scripts/diffs.py
+	$(PY) scripts/diffs.py
 
 timelines: setup ## one traced step per lesson: overlap table, docs/figures/timeline_*.png (about 2 minutes)
-	.venv/bin/python scripts/timelines.py
+	$(PY) scripts/timelines.py
 
 .PHONY: student-edition grade
 OUT ?= student
 student-edition: setup ## the student edition: every lesson's solution regions cut out, into OUT (default student/)
-	.venv/bin/python scripts/student_edition.py $(OUT)
+	$(PY) scripts/student_edition.py $(OUT)
 
 grade: setup     ## grade a student edition: make grade EDITION=student (default: this checkout); points: tests/points.toml
-	.venv/bin/python scripts/grade.py $(EDITION)
+	$(PY) scripts/grade.py $(EDITION)
+
+gpu-check: setup ## on a machine with GPUs: every lesson on CUDA/nccl, fp32 and bf16, one table (runs/gpu_check/); no GPU: says so
+	$(PY) scripts/gpu_check.py

@@ -128,7 +128,7 @@ def save(path, step, module, holder, meta):
             a, b = max(start, s.owned[0]), min(start + flat.numel(), s.owned[1])  # what I own of t
             for name, lo, hi, at in _pieces(s.params, a, b):
                 entries.append(dict(name=name, kind=kind, lo=lo, hi=hi,
-                                    step=state["step"] if kind in state else None,  # AdamW's count
+                                    step=state["step"].cpu() if kind in state else None,  # AdamW's count
                                     # a copy: saving a view would save its whole storage
                                     data=flat[at - start:at - start + hi - lo].to("cpu", copy=True)))
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
@@ -198,8 +198,9 @@ def read(path, check=None):
         file = os.path.join(path, f"rank{r}.pt")
         if not os.path.exists(file):
             raise CheckpointError(f"{file} is missing ({meta['world_size']} ranks saved this checkpoint)")
-        try:  # weights_only: tensors and plain containers, never arbitrary code; mmap: read lazily
-            saved = torch.load(file, weights_only=True, mmap=True)
+        try:  # weights_only: tensors and plain containers, never arbitrary code; mmap: read lazily;
+            # map_location: to the CPU first, whatever device wrote it (N GPUs load on M, or a CPU)
+            saved = torch.load(file, weights_only=True, mmap=True, map_location="cpu")
         except Exception as e:
             raise CheckpointError(f"{file} is unreadable (truncated or corrupt): {str(e).splitlines()[0]}") from None
         if saved.get("save_id") != meta.get("save_id") or saved["step"] != meta["step"] \

@@ -20,8 +20,10 @@ import torch.distributed as dist
 from checkpoint import FlatShard
 from model import GPT, GPTConfig
 
-# The lessons call the collectives by their torch 2.13 names (all_gather_single,
-# reduce_scatter_single); other libraries still call the older names, which warn on every call.
+# Supported: torch 2.6 to 2.15 (2.13 is the tested default). The lessons call the collectives by
+# the names every one of them has, all_gather_into_tensor and reduce_scatter_tensor; from 2.13 on
+# those are aliases of all_gather_single / reduce_scatter_single (absent before 2.13), and 2.13
+# warns on every call (FutureWarning: deprecated). The one place that warning is silenced:
 warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
 
 
@@ -91,15 +93,11 @@ def parse_args(argv=None, description=""):
         fail(f"--save-every must be 0 (never) or positive, got {args.save_every}")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for, but no CUDA GPU is available (use --device cpu)")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
-        fail(f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks on this node but only "
-             f"{torch.cuda.device_count()} GPUs: one GPU per rank")
-    if args.precision == "bf16" and args.device == "cuda" and not torch.cuda.is_bf16_supported():
-        fail(f"--precision bf16: {torch.cuda.get_device_name()} has no bfloat16 support (use fp32)")
+    if args.device == "cuda" and not dist.is_initialized():  # (in a group, init_distributed decides)
+        try:
+            choose_device("cuda", local_ranks(), torch.cuda.device_count())
+        except ValueError as e:
+            fail(str(e))
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
     return args
 
@@ -123,6 +121,31 @@ def fail(message, code=2):
 
 
 # ----------------------------------------------------------------------------- processes
+def local_ranks():
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, 1 for a plain `python` run."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def choose_device(requested, ranks_here, gpus):
+    """The device type for `--device requested` with `ranks_here` ranks on this node and `gpus`
+    CUDA GPUs visible: ("cuda" or "cpu", why auto chose the CPU or None). NCCL wants one GPU per
+    rank, so `auto` takes CUDA only when every local rank gets its own; an explicit `cuda` that
+    cannot have that raises ValueError."""
+    if requested == "cpu":
+        return "cpu", None
+    if gpus >= ranks_here >= 1 and gpus > 0:
+        return "cuda", None
+    if requested == "cuda":
+        if gpus == 0:
+            raise ValueError("--device cuda was asked for, but no CUDA GPU is available (use --device cpu)")
+        raise ValueError(f"--device cuda: {ranks_here} ranks on this node but only {gpus} GPUs; NCCL needs "
+                         f"one GPU per rank (--nproc_per_node={gpus}, or --device cpu)")
+    why = "no CUDA GPU here" if gpus == 0 else (
+        f"{ranks_here} ranks on this node but only {gpus} GPU{'s' if gpus > 1 else ''}, and NCCL needs "
+        f"one per rank (--nproc_per_node={gpus} runs on the GPUs)")
+    return "cpu", why
+
+
 @dataclass
 class Dist:
     rank: int
@@ -138,27 +161,39 @@ class Dist:
 def init_distributed(args) -> Dist:
     """Join the process group: torchrun's environment if present, else a group of one.
 
-    gloo on CPU, nccl on CUDA (one GPU per rank). The timeout makes a lost rank fail the others
-    instead of hanging them.
+    gloo on CPU, nccl on CUDA (one GPU per rank, cuda:LOCAL_RANK); `--device auto` takes CUDA
+    only when every rank on this node has a GPU of its own (choose_device). In a group that
+    already exists (a test harness, scripts/sweep.py) the device follows its backend. The timeout
+    makes a lost rank fail the others instead of hanging them. Sets args.device to what it chose.
     """
-    device = torch.device(args.device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=args.timeout)
-    if dist.is_initialized():  # a test harness made the group already
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_initialized():
+        kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    else:
+        try:
+            kind, why = choose_device(args.device, local_ranks(), torch.cuda.device_count())
+        except ValueError as e:
+            fail(str(e))
+        if why and int(os.environ.get("RANK", "0")) == 0:
+            say(f"device: cpu, as --device auto found {why}")
+    device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
+    backend = "nccl" if kind == "cuda" else "gloo"
+    if kind == "cuda":
+        torch.cuda.set_device(device)  # before anything touches CUDA: else every rank makes a context on GPU 0
+        if args.precision == "bf16" and not torch.cuda.is_bf16_supported():
+            fail(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16 support (use fp32)")
+    if dist.is_initialized():
         pass
     elif "RANK" in os.environ:  # launched by torchrun
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if kind == "cuda" else None)
     else:  # plain `python 0N_x.py`: the same code path with a world of one
-        if device.type == "cuda":
-            torch.cuda.set_device(0)
-            device = torch.device("cuda", 0)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    args.device = kind
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if dist.get_world_size() > 1:
-        _start_heartbeat(dist.get_rank())
+        _start_heartbeat(dist.get_rank(), watch=backend == "nccl" or os.environ.get("DP_WATCHDOG") == "1",
+                         after_s=min(WATCHDOG_S, args.timeout / 2))
     return Dist(dist.get_rank(), dist.get_world_size(), device, backend)
 
 
@@ -167,22 +202,43 @@ def init_distributed(args) -> Dist:
 # lost rank, every rank bumps a counter in the rendezvous store (torchrun's agent, or rank 0)
 # once a second from a daemon thread; after a failure, a counter that stopped moving is a rank
 # that is gone. A rank that is alive but stuck in a collective keeps beating.
+# On NCCL no Python exception comes: a collective waiting for a dead peer blocks the main
+# thread in CUDA (where no signal handler runs either) until NCCL's own watchdog aborts the
+# process at --timeout, with no word on who was lost. So there the heartbeat thread also
+# watches the others' counters and, once one has stood still for WATCHDOG_S, names it and ends
+# this rank itself (DP_WATCHDOG=1 turns the watch on for gloo too: the tests use it).
 HEARTBEAT_S = 1.0
+WATCHDOG_S = 10.0
 _heartbeat = None
 
 
-def _start_heartbeat(rank):
+def _start_heartbeat(rank, watch=False, after_s=WATCHDOG_S):
     global _heartbeat
     if _heartbeat is not None and _heartbeat.is_alive():  # main() run again in one process (tests)
         return
-    store = dist.distributed_c10d._get_default_store()
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    seen = {}  # rank -> (last counter value, when it last moved)
+
+    def lost_now():
+        now = time.monotonic()
+        for r in range(world):
+            count = store.add(f"heartbeat/{r}", 0)
+            if r not in seen or seen[r][0] != count:
+                seen[r] = (count, now)
+        return [r for r in range(world) if r != rank and now - seen[r][1] > after_s
+                and not store.check([f"stopping/{r}"]) and not store.check([f"done/{r}"])]
 
     def beat():
         while True:
             try:
                 store.add(f"heartbeat/{rank}", 1)
+                lost = lost_now() if watch else []
             except Exception:  # the store is gone: the failure path reports it
                 return
+            if lost and _claim_failure():
+                say(f"error (rank {rank}): lost rank {', '.join(map(str, lost))} (no heartbeat for "
+                    f"{after_s:.0f} s); this rank stops too")
+                _leave(1)
             time.sleep(HEARTBEAT_S)
 
     _heartbeat = threading.Thread(target=beat, name="heartbeat", daemon=True)
@@ -190,6 +246,17 @@ def _start_heartbeat(rank):
 
 
 _diagnosing = False  # set while a failure is being explained: a SIGTERM must not cut it short
+_failure = threading.Lock()  # held by the one thread that reports this rank's failure
+
+
+def _claim_failure():
+    """True for the first caller only: one line per rank, whichever thread sees the failure first
+    (a later one returns False and leaves the exit to the first)."""
+    global _diagnosing
+    if not _failure.acquire(blocking=False):
+        return False
+    _diagnosing = True
+    return True
 
 
 def lost_ranks(stopping=False):
@@ -197,8 +264,6 @@ def lost_ranks(stopping=False):
     unreachable (then the rank or launcher that hosted it, rank 0's node, is the one lost).
     stopping: this rank was told to stop (SIGTERM) and says so first, so that peers stopped
     with it are not reported as lost when its heartbeat ends."""
-    global _diagnosing
-    _diagnosing = True
     try:
         store = dist.distributed_c10d._get_default_store()
         if stopping:
@@ -217,12 +282,26 @@ def exit_process(code=0):
 
     On CPU with gloo about 4% of runs abort at interpreter exit ("terminate called without an
     active exception") after training finished; ending with os._exit after flushing avoids it.
+    After a failure the group is not destroyed (that waits for peers, and one may be dead).
     """
-    if dist.is_initialized():
+    if dist.is_initialized() and code == 0:
         try:
+            if dist.get_world_size() > 1:  # gone on purpose: no peer's watchdog may report it
+                dist.distributed_c10d._get_default_store().set(f"done/{dist.get_rank()}", "")
             dist.destroy_process_group()
         except Exception:  # a peer already gone: nothing left to tear down politely
             pass
+    _leave(code)
+
+
+def _leave(code):
+    """Flush and end the process now, from any thread. On NCCL the communicators are aborted
+    first, so no GPU kernel keeps waiting for a peer (a daemon thread: if even the abort hangs,
+    the process still ends after 5 s)."""
+    if code != 0 and dist.is_initialized() and dist.get_backend() == "nccl":
+        aborting = threading.Thread(target=dist.distributed_c10d._abort_process_group, daemon=True)
+        aborting.start()
+        aborting.join(5.0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -231,8 +310,8 @@ def exit_process(code=0):
 def run_main(main):
     """Run a lesson's main(): a clean one-line error for expected failures, then a clean exit."""
     def stopped(signum, frame):  # torchrun stops the other ranks with SIGTERM when one fails
-        if _diagnosing:  # this rank is already naming the lost peer; it exits when done
-            return       # (torchrun waits 30 s before it sends SIGKILL)
+        if not _claim_failure():  # this rank is already naming the lost peer; it exits when done
+            return                # (torchrun waits 30 s before it sends SIGKILL)
         # The heartbeats live in torchrun's store, which outlives its workers: name who is gone.
         lost = lost_ranks(stopping=True) if dist.is_initialized() and dist.get_world_size() > 1 else None
         why = (f"lost rank {', '.join(map(str, lost))} (no heartbeat for {3 * HEARTBEAT_S:.0f} s)" if lost
@@ -240,7 +319,7 @@ def run_main(main):
                else "most likely because another rank failed")
         say(f"error (rank {os.environ.get('RANK', '0')}): stopped by the launcher (SIGTERM): {why}; "
             "see the launcher's report")
-        os._exit(128 + signum)
+        _leave(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped)
     try:
@@ -250,6 +329,9 @@ def run_main(main):
     except Exception as e:  # e.g. a peer lost, a timeout: one line per rank, not a traceback
         if os.environ.get("DP_DEBUG"):
             raise
+        if not _claim_failure():  # the heartbeat thread is already reporting (and ending) this rank
+            while True:
+                time.sleep(1)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         rank = os.environ.get("RANK", "0")
         collective = isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError)
@@ -304,13 +386,25 @@ def global_batch(seed, step, batch, seq_len, vocab_size):
     return tokens
 
 
+_rows = (None, None)  # (which step of which run, this rank's rows of it on the device)
+
+
 def get_batch(args, env: Dist, step, micro):
-    """Rank r of N takes rows r*B/N .. (r+1)*B/N of the global batch, split into micro-steps."""
-    tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
+    """Rank r of N takes rows r*B/N .. (r+1)*B/N of the global batch, split into micro-steps.
+
+    A step's rows are made and moved to the device once, at its first micro-step; on CUDA from
+    pinned memory with non_blocking=True, so the CPU queues the copy and goes on."""
+    global _rows
     per_rank = args.global_batch // env.world_size
+    key = (args.seed, step, args.global_batch, args.seq_len, args.vocab_size, env.rank, env.world_size, env.device)
+    if _rows[0] != key:
+        tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
+        mine = tokens[env.rank * per_rank:(env.rank + 1) * per_rank]
+        if env.device.type == "cuda":
+            mine = mine.pin_memory().to(env.device, non_blocking=True)
+        _rows = (key, mine)
     per_micro = per_rank // args.grad_accum
-    start = env.rank * per_rank + micro * per_micro
-    rows = tokens[start:start + per_micro].to(env.device)
+    rows = _rows[1][micro * per_micro:(micro + 1) * per_micro]
     return rows[:, :-1], rows[:, 1:]
 
 

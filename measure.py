@@ -98,7 +98,8 @@ def _bytes_per_param(stage, world, k):
 
 
 # ----------------------------------------------------------------------------- communication
-# name in torch.distributed -> (kind, name of the argument holding the full-size tensor)
+# name in torch.distributed -> (kind, name of the argument holding the full-size tensor); the
+# *_single names exist from torch 2.13 on, where the lessons' *_tensor names call them
 _COLLECTIVES = {
     "all_reduce": ("all_reduce", "tensor"),
     "reduce_scatter_single": ("reduce_scatter", "input"), "reduce_scatter_tensor": ("reduce_scatter", "input"),
@@ -109,10 +110,15 @@ _UNMETERED = ["all_gather", "reduce_scatter", "reduce", "all_to_all_single", "ga
 
 
 class CommMeter:
-    """Counts collectives issued through torch.distributed while `with meter.measuring():`."""
+    """Counts collectives issued through torch.distributed while `with meter.measuring():`.
 
-    def __init__(self, world_size):
-        self.world = world_size
+    cpu_timed: the collectives run on the CPU (gloo), so a call and its wait() return when the
+    communication is done and timing them on the CPU clock means something. With NCCL they only
+    queue work on the GPU, so overlap, timeline and wire bytes are then None (unavailable); the
+    GPU's own kernel times give the overlap instead (gpu_overlap, with --trace)."""
+
+    def __init__(self, world_size, cpu_timed=True):
+        self.world, self.cpu_timed = world_size, cpu_timed
         self.ops = {}
         self.wire_bytes = None  # what this process wrote while measuring (Linux, gloo): see bytes_written
         # Overlap, timed in the wrappers (perf_counter seconds): a collective's span runs from the
@@ -151,12 +157,14 @@ class CommMeter:
             return fn, metered
 
         for name, (kind, arg) in _COLLECTIVES.items():
+            if not hasattr(dist, name):  # an older torch
+                continue
             originals[name], metered = wrap(name, kind, arg)
             setattr(dist, name, metered)
         for name in _UNMETERED:  # a lesson calling one of these would go uncounted: refuse
             originals[name] = getattr(dist, name)
             setattr(dist, name, _unmetered(name))
-        written = bytes_written()
+        written = bytes_written() if self.cpu_timed else None
         start = time.perf_counter()
         try:
             yield self
@@ -175,7 +183,7 @@ class CommMeter:
         the intervals the calling thread was blocked on them; hidden share = 1 - exposed / comm.
         A collective still in flight when the step ends (06 prefetching the next step's first
         unit) counts up to the step's end; its later wait() lies outside the step."""
-        if self.window is None:
+        if self.window is None or not self.cpu_timed:
             return None
         start, end = self.window
         spans = [(max(a, start), min(end if b is None else b, end)) for _, a, b in self.spans]
@@ -186,13 +194,31 @@ class CommMeter:
 
     def timeline(self):
         """Spans in ms from the start of the measured step, for the chart: [kind, start, end]."""
-        if self.window is None:
+        if self.window is None or not self.cpu_timed:
             return None
         start, end = self.window
         ms = lambda t: (min(t, end) - start) * 1e3
         return {"step_ms": ms(end),
                 "comm": [[k, ms(a), ms(end if b is None else b)] for k, a, b in self.spans if a < end],
                 "blocked": [[ms(a), ms(b)] for a, b in self.blocked if a < end]}
+
+
+def gpu_overlap(trace_path):
+    """Overlap on a GPU, from a torch.profiler trace of the measured step: comm = the time NCCL
+    kernels ran, exposed = the part of it with no other kernel running beside them (the GPU's
+    compute did not hide it), hidden share = 1 - exposed / comm. None if the trace has none."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("cat") == "kernel" and "dur" in e]
+    comm = [(a, b) for name, a, b in kernels if "nccl" in name.lower()]
+    compute = [(a, b) for name, a, b in kernels if "nccl" not in name.lower()]
+    if not comm:
+        return None
+    total = _union(comm)
+    hidden = total + _union(compute) - _union(comm + compute)  # |comm & compute|
+    return {"comm_ms": total / 1e3, "exposed_ms": (total - hidden) / 1e3,  # trace times are in us
+            "hidden_share": hidden / total, "source": "GPU kernel times (profiler)"}
 
 
 def _union(intervals):
@@ -415,7 +441,9 @@ class Run:
         self.model, self.optimizer = model, optimizer
         self.psi = common.n_params(model) if not hasattr(model, "n_params") else model.n_params
         self.ledger = MemoryLedger(model, [*holders, optimizer])
-        self.comm = CommMeter(env.world_size)
+        self.cuda = env.device.type == "cuda"
+        self.comm = CommMeter(env.world_size, cpu_timed=env.backend == "gloo" and not self.cuda)
+        self.gpu_overlap = self.cuda_step_peak = None
         self.losses, self.step_times, self.memory = [], [], None
         self.peak_params = None
         self.init_peak = None  # optional: bytes held at once while the strategy was built (06)
@@ -431,16 +459,19 @@ class Run:
         if not self.step_times and step > 0:  # the first step of a resumed run
             self.resumed_from, self.measure_step = step, max(step, self.args.measure_step)
         measure = step == self.measure_step
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize()
+        self._sync()
+        if measure and self.cuda:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         if measure:
             with self._profiler(), self.comm.measuring(), self._memory_probe():
                 yield micro_losses
+                self._sync()  # inside the window: the GPU's work of this step is in it
+            if self.cuda:
+                self.cuda_step_peak = torch.cuda.max_memory_allocated()
         else:
             yield micro_losses
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize()
+            self._sync()
         self.step_times.append(time.perf_counter() - t0)
         # The logged loss is the global mean: every rank's, averaged (outside the meter).
         loss = torch.stack([l.detach().float() for l in micro_losses]).sum()
@@ -448,6 +479,11 @@ class Run:
         self.losses.append(loss.item() / self.env.world_size)
         if self.env.master and (step % self.args.log_every == 0 or step == self.args.steps - 1):
             self._log(step)
+
+    def _sync(self):
+        """On CUDA, wait for the GPU: kernels and NCCL collectives only queue work on the CPU."""
+        if self.cuda:
+            torch.cuda.synchronize()
 
     @contextmanager
     def _profiler(self):
@@ -462,7 +498,10 @@ class Run:
         os.makedirs(trace_dir, exist_ok=True)
         with profile(activities=activities) as prof:
             yield
-        prof.export_chrome_trace(os.path.join(trace_dir, f"trace_rank{self.env.rank}.json"))
+        path = os.path.join(trace_dir, f"trace_rank{self.env.rank}.json")
+        prof.export_chrome_trace(path)
+        if self.cuda:  # the CPU clock cannot see NCCL overlap: the GPU's kernel times can
+            self.gpu_overlap = gpu_overlap(path)
 
     @contextmanager
     def _memory_probe(self):
@@ -501,14 +540,15 @@ class Run:
         """Gather every rank's measurements to rank 0, print the summary, write the report."""
         measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params},
                     "ops": self.comm.ops, "ring_bytes": self.comm.ring_bytes(),
-                    "wire_bytes": self.comm.wire_bytes, "overlap": self.comm.overlap(),
+                    "wire_bytes": self.comm.wire_bytes, "overlap": self.comm.overlap() or self.gpu_overlap,
                     "timeline": self.comm.timeline() if getattr(self.args, "trace", None) else None}
         if self.env.master:  # rank 0's parameter bytes over the measured step
             measured["params_timeline"] = getattr(self, "params_timeline", None)
         if self.init_peak is not None:
             measured["memory"]["init_peak"] = self.init_peak
-        if self.env.device.type == "cuda":
+        if self.cuda:  # what the caching allocator handed out: over the run, and in the measured step
             measured["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+            measured["memory"]["cuda_step_peak"] = self.cuda_step_peak
         # the process's peak resident memory: everything (activations, buffers, the runtime), for
         # the benchmark's "peak bytes per rank"; in a sweep, the highest of its runs so far
         measured["memory"]["max_rss"] = max_rss()
@@ -521,7 +561,7 @@ class Run:
             if self.args.report:
                 with open(self.args.report, "w") as f:
                     json.dump(report, f, indent=1)
-            if getattr(self.args, "trace", None):
+            if getattr(self.args, "trace", None) and None not in [g["timeline"] for g in gathered]:
                 plot_timeline([g["timeline"] for g in gathered], report["strategy"],
                               f"{self.args.trace}/timeline.png")
         return gathered
@@ -541,9 +581,11 @@ class Run:
                      "ring_bytes_per_step": gathered[0]["ring_bytes"],
                      "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision,
                                                                        a.grad_accum),
-                     # bytes each rank's process actually wrote (gloo on Linux; None elsewhere)
+                     # bytes each rank's process actually wrote (gloo on Linux; None elsewhere:
+                     # NCCL moves its bytes over NVLink/InfiniBand, not the process's writes)
                      "wire_bytes_per_rank": [g["wire_bytes"] for g in gathered],
-                     # rank 0's; CommMeter.overlap gives the definition
+                     # rank 0's; CommMeter.overlap gives the definition, gpu_overlap on CUDA
+                     # (None there without --trace: unavailable, not zero)
                      "overlap": gathered[0]["overlap"],
                      "overlap_per_rank": [g["overlap"] for g in gathered]},
             "memory": {"per_rank": [g["memory"] for g in gathered], "theory": mem_theory,
@@ -561,9 +603,14 @@ class Run:
         print(f"  ring bytes sent per rank: measured {comm['ring_bytes_per_step'] / mib:.3f} MiB"
               f" | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")
         ov = comm.get("overlap")
-        if ov is not None:
+        if ov is not None and ov.get("source"):
+            print(f"  overlap rank 0: NCCL kernels {ov['comm_ms']:.1f} ms | exposed {ov['exposed_ms']:.1f} ms "
+                  f"(no compute kernel beside them) | hidden {ov['hidden_share']:.0%}")
+        elif ov is not None:
             print(f"  overlap rank 0: comm {ov['comm_ms']:.1f} ms (issue to completion) | exposed "
                   f"{ov['exposed_ms']:.1f} ms (blocked in wait) | hidden {ov['hidden_share']:.0%}")
+        elif r["backend"] == "nccl":
+            print("  overlap: unavailable on NCCL from the CPU clock (--trace DIR measures it from GPU kernel times)")
         m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
         row = " | ".join(f"{k} {m.get(k, 0) / mib:.2f} (theory {th[k] / mib:.2f})"
                          for k in ("params", "grads", "optimizer"))
@@ -573,6 +620,10 @@ class Run:
         print(f"  memory rank 0, MiB at rest: {row}"
               + (f" | other {m['other'] / mib:.2f}" if m.get("other") else "")
               + (f" | init peak {m['init_peak'] / mib:.2f}" if m.get("init_peak") else ""), flush=True)
+        if m.get("cuda_step_peak") is not None:  # everything the step allocated: activations too
+            held = sum(m.get(k, 0) for k in ("params", "grads", "optimizer"))
+            print(f"  GPU rank 0, MiB: peak allocated in the measured step {m['cuda_step_peak'] / mib:.2f} | "
+                  f"model states at rest {held / mib:.2f} (theory {th['total'] / mib:.2f})", flush=True)
 
 
 def plot_timeline(timelines, strategy, path):

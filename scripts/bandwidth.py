@@ -47,8 +47,8 @@ def collective(op, full, shard):
     if op == "all_reduce":
         return lambda: dist.all_reduce(full)
     if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(shard, full)  # (the 2.13 name of reduce_scatter_tensor)
-    return lambda: dist.all_gather_single(full, shard)          # (... of all_gather_into_tensor)
+        return lambda: dist.reduce_scatter_tensor(shard, full)
+    return lambda: dist.all_gather_into_tensor(full, shard)
 
 
 def measure(op, size, reps):
@@ -81,8 +81,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="three sizes, fewer repetitions (tests)")
     p.add_argument("--sizes", type=int, nargs="+", help="bytes (multiples of 4 x world size)")
     p.add_argument("--report", help="write the results as JSON (rank 0)")
+    p.add_argument("--device", choices=["cpu"], default="cpu", help="gloo on CPU (the only one measured here)")
     a = p.parse_args()
-    env = common.init_distributed(common.parse_args(["--device", "cpu"]))
+    env = common.init_distributed(common.parse_args(["--device", a.device]))
     sizes = a.sizes or (QUICK_SIZES if a.quick else SIZES)
     if any(s % (4 * env.world_size) for s in sizes):
         common.fail(f"every size must be a multiple of 4 x {env.world_size} bytes")

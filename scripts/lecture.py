@@ -38,7 +38,7 @@ def run_sweep(nproc, steps, flags):
         path = os.path.join(tmp, "sweep.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                os.path.join(ROOT, "scripts", "sweep.py"), "--report", path, "--lessons", *lessons,
-               "--track-peak",  # no per-operation sampling: the table shows memory at rest
+               "--device", "cpu", "--track-peak",  # no per-operation sampling: the table shows memory at rest
                "--steps", str(steps), "--log-every", str(max(steps, 1)), *flags]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True)

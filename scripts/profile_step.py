@@ -131,7 +131,7 @@ def main():
     p.add_argument("--top", type=int, default=25)
     a, lesson_argv = p.parse_known_args()
     from bench import CONFIGS
-    lesson_argv = CONFIGS[a.config] + lesson_argv  # the lesson's own flags last: they win
+    lesson_argv = ["--device", "cpu"] + CONFIGS[a.config] + lesson_argv  # the lesson's own flags last: they win
     if a.nproc > 1 and "RANK" not in os.environ:  # start the ranks, each running this file
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}",
                os.path.abspath(__file__), *sys.argv[1:]]

@@ -60,11 +60,12 @@ def load_lesson(name):
 
 def regroup(world, rank, store, timeout):
     """Make the first `world` ranks the default process group; False for the ranks left out."""
+    backend = dist.get_backend()  # the launch's: the lessons' device follows it
     dist.destroy_process_group()
     if rank >= world:
         return False
     os.environ["WORLD_SIZE"] = str(world)  # what common.parse_args checks the batch against
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"sweep/world{world}", store),
+    dist.init_process_group(backend, store=dist.PrefixStore(f"sweep/world{world}", store),
                             rank=rank, world_size=world, timeout=timeout)
     return True
 

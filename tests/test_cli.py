@@ -8,7 +8,8 @@ import pytest
 from harness import ROOT, lesson_file
 from runs_path import LESSONS  # noqa: F401  (tests/runs_path.py puts scripts/ on the path)
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+# no GPU visible, so `--device cuda` fails the same way on a machine with GPUs
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
 
 
 def run_all(commands, timeout=120):

@@ -1,4 +1,4 @@
-"""A rank that dies mid-step: every other rank exits non-zero, within the timeout, naming it.
+"""A rank that dies (or freezes) mid-step: every other rank exits non-zero, within the timeout, naming it.
 
 Two ways to launch. Plain processes joined through MASTER_ADDR/MASTER_PORT: rank 0 then hosts
 the rendezvous store, so killing rank 0 also tests the "store unreachable" path. And torchrun,
@@ -24,16 +24,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-FLAGS = ["--steps", "100000", "--log-every", "1", "--peak-params", "0", "--n-layer", "2",
+FLAGS = ["--device", "cpu", "--steps", "100000", "--log-every", "1", "--peak-params", "0", "--n-layer", "2",
          "--d-model", "32", "--seq-len", "16", "--timeout", str(TIMEOUT_S)]
 ENV = {k: v for k, v in os.environ.items() if k != "DP_DEBUG"} | dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
-def start_pair():
+def start_pair(**extra_env):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+        env = dict(ENV, **extra_env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, lesson_file("01_vanilla_dp"), *FLAGS],
                                       cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
@@ -85,16 +85,39 @@ def kill_under_torchrun(result):
         proc.wait()
 
 
+def freeze_mid_training(result):
+    """With the heartbeat watch on (NCCL's default; DP_WATCHDOG=1 here on gloo): SIGSTOP rank 1,
+    alive but silent, as a hung GPU or node looks. No collective raises before --timeout; the
+    watch must end rank 0 after WATCHDOG_S, naming rank 1."""
+    procs = start_pair(DP_WATCHDOG="1")
+    try:
+        wait_for_step(procs[0])
+        procs[1].send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        code = procs[0].wait(TIMEOUT_S + 30)
+        result["frozen"] = (code, time.monotonic() - frozen, procs[0].stderr.read())
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_killed_rank_is_named_by_the_survivor():
     pairs = {1: start_pair(), 0: start_pair()}  # kill rank 1 in one run, rank 0 in the other
     result = {}
     threads = [threading.Thread(target=kill_mid_training, args=(procs, victim, result))
                for victim, procs in pairs.items()]
     threads.append(threading.Thread(target=kill_under_torchrun, args=(result,)))
+    threads.append(threading.Thread(target=freeze_mid_training, args=(result,)))
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    code, seconds, err = result.pop("frozen")
+    ours = [l for l in err.splitlines() if l.startswith("error (rank")]
+    # 10 s without a heartbeat (common.WATCHDOG_S), well before the 30 s gloo would wait
+    assert code == 1 and seconds < TIMEOUT_S * 0.75, (code, seconds, err)
+    assert ours == ["error (rank 0): lost rank 1 (no heartbeat for 10 s); this rank stops too"], err
     code, seconds, err = result.pop("torchrun")
     # rank 0 names rank 1 whichever comes first: its failed collective, or torchrun's SIGTERM
     # ("stopped by the launcher (SIGTERM): lost rank 1 ..."); torchrun's own report follows
