@@ -286,12 +286,17 @@ def exit_process(code=0):
     """
     if dist.is_initialized() and code == 0:
         try:
-            if dist.get_world_size() > 1:  # gone on purpose: no peer's watchdog may report it
-                dist.distributed_c10d._get_default_store().set(f"done/{dist.get_rank()}", "")
+            if dist.get_world_size() > 1:
+                leaving_on_purpose(dist.distributed_c10d._get_default_store(), dist.get_rank())
             dist.destroy_process_group()
         except Exception:  # a peer already gone: nothing left to tear down politely
             pass
     _leave(code)
+
+
+def leaving_on_purpose(store, rank):
+    """Tell the others' heartbeat watch that this rank's silence from now on is no failure."""
+    store.set(f"done/{rank}", "")
 
 
 def _leave(code):

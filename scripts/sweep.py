@@ -63,6 +63,7 @@ def regroup(world, rank, store, timeout):
     backend = dist.get_backend()  # the launch's: the lessons' device follows it
     dist.destroy_process_group()
     if rank >= world:
+        common.leaving_on_purpose(store, rank)  # (on NCCL the others watch every launched rank)
         return False
     os.environ["WORLD_SIZE"] = str(world)  # what common.parse_args checks the batch against
     dist.init_process_group(backend, store=dist.PrefixStore(f"sweep/world{world}", store),
