@@ -58,7 +58,10 @@ def machine(device):
     if device == "cpu":
         return 2, f"CPU (gloo) | torch {torch.__version__}"
     names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+    try:  # a tuple (major, minor, patch) on every supported torch
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:
+        nccl = "unknown"
     return torch.cuda.device_count(), (f"{torch.cuda.device_count()} x {' / '.join(names)} | torch "
                                        f"{torch.__version__} | CUDA {torch.version.cuda} | NCCL {nccl}")
 
