@@ -5,6 +5,11 @@ slice of the global batch, and then averages the gradients across ranks, one blo
 all-reduce per parameter. After that every rank holds the gradient of the global batch and
 takes the same optimizer step, so the replicas never drift apart.
 
+Used like PyTorch's `DistributedDataParallel`: wrap the model, build any torch.optim optimizer
+over `model.parameters()`, and the loop stays the one written for DDP. The all-reduce runs at
+the end of `loss.backward()`, as DDP's does; `with model.no_sync():` skips it for the micro-steps
+of gradient accumulation (DDP's `require_backward_grad_sync` is the flag behind it).
+
     python 01_vanilla_dp.py                                  # one process (world size 1)
     torchrun --nproc_per_node=2 01_vanilla_dp.py             # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=4 01_vanilla_dp.py --device cuda   # 4 GPUs (nccl)
@@ -21,20 +26,25 @@ import measure
 
 
 # ----------------------------------------------------------------------------- the strategy
-class VanillaDP(nn.Module):
-    """Replicate `module`; `all_reduce_gradients()` after backward averages every gradient."""
+class VanillaDP(common.Replicated):
+    """Replicate `module`; at the end of every backward, `all_reduce_gradients()` averages every
+    gradient. Shaped like `DistributedDataParallel(module)` (common.Replicated: `.module`,
+    `no_sync()`, `require_backward_grad_sync`)."""
 
     def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
+        super().__init__(module)
         self.world_size = dist.get_world_size()
         # Ranks may start from different random weights: make rank 0's the truth.
         with torch.no_grad():
             for tensor in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(tensor, src=0)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        # "After backward", without a call in the loop: a backward's first gradient queues
+        # all_reduce_gradients to run once that backward is over, inside loss.backward(), as
+        # DDP does (not in a no_sync() backward, which only accumulates).
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(
+                    lambda p: self.at_end_of_backward(self.all_reduce_gradients))
 
     @torch.no_grad()
     def all_reduce_gradients(self):
@@ -70,10 +80,12 @@ def main(argv=None):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
                 x, y = common.get_batch(args, env, step, micro)
+                # Only the last micro-step's backward averages (nanoGPT toggles DDP's flag the
+                # same way rather than wrap the other micro-steps in `with model.no_sync():`).
+                model.require_backward_grad_sync = micro == args.grad_accum - 1
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
-                loss.backward()
+                loss.backward()  # ... and, at the last micro-step, all_reduce_gradients() at its end
                 losses.append(loss)
-            model.all_reduce_gradients()  # once per optimizer step, after the last micro-step
             optimizer.step()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)

@@ -22,21 +22,18 @@ import measure
 
 
 # ----------------------------------------------------------------------------- the strategy
-class AsyncAllReduceDP(nn.Module):
+class AsyncAllReduceDP(common.Replicated):
     """Replicate `module`; every gradient's all-reduce is launched from its hook during backward,
-    and `finish_gradient_synchronization()` waits for them all before the optimizer step."""
+    and `finish_gradient_synchronization()` waits for them all when backward is over. Shaped
+    like `DistributedDataParallel(module)` (common.Replicated: `.module`, `no_sync()`, ...)."""
 
     def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
+        super().__init__(module)
         self.world_size = dist.get_world_size()
         # Ranks may start from different random weights: make rank 0's the truth.
         with torch.no_grad():
             for tensor in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(tensor, src=0)
-        # Gradient accumulation: the loop sets this False for all but the last micro-step, whose
-        # backward alone communicates. DDP's name, so loops written for DDP work unchanged.
-        self.require_backward_grad_sync = True
         self.handles = []  # async all-reduces in flight, in launch order
         # Which autograd event: a post-accumulate-grad hook runs after autograd has added this
         # backward's gradient into p.grad, and it is passed the parameter, not a gradient. p.grad
@@ -49,13 +46,13 @@ class AsyncAllReduceDP(nn.Module):
             if p.requires_grad:  # frozen parameters have no gradient to average
                 p.register_post_accumulate_grad_hook(self._all_reduce_grad)
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
     @torch.no_grad()
     def _all_reduce_grad(self, p):
-        if not self.require_backward_grad_sync:  # a non-final micro-step: just accumulate
+        if not self.require_backward_grad_sync:  # no_sync(), a non-final micro-step: accumulate
             return
+        # Wait for them all once backward is over, inside loss.backward(), as DDP does: the loop
+        # written for DDP calls nothing else before optimizer.step().
+        self.at_end_of_backward(self.finish_gradient_synchronization)
         # The global gradient is the SUM of the ranks' gradients divided by N (see 01).
         # Every rank's backward fires the hooks in the same order, so the i-th all-reduce of every
         # rank is the same parameter's: collectives are matched by the order they are issued.
@@ -95,9 +92,8 @@ def main(argv=None):
                 # rather than wrap the other micro-steps in DDP's `no_sync()`).
                 model.require_backward_grad_sync = micro == args.grad_accum - 1
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
-                loss.backward()  # the hooks launch the all-reduces while backward runs
+                loss.backward()  # the hooks launch the all-reduces; at its end, wait for them all
                 losses.append(loss)
-            model.finish_gradient_synchronization()  # wait for every all-reduce
             optimizer.step()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)

@@ -25,21 +25,18 @@ from bucket import BucketManager
 
 
 # ----------------------------------------------------------------------------- the strategy
-class BucketedDP(nn.Module):
+class BucketedDP(common.Replicated):
     """Replicate `module`; gradients live in flat buckets, each all-reduced (async) as soon as it
-    is full; `finish_gradient_synchronization()` waits for them all before the optimizer step."""
+    is full; `finish_gradient_synchronization()` waits for them all when backward is over.
+    Shaped like `DistributedDataParallel(module, bucket_cap_mb=...)` (common.Replicated)."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25):
-        super().__init__()
-        self.module = module
+        super().__init__(module)
         self.world_size = dist.get_world_size()
         # Ranks may start from different random weights: make rank 0's the truth.
         with torch.no_grad():
             for tensor in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(tensor, src=0)
-        # Gradient accumulation: the loop sets this False for all but the last micro-step, whose
-        # backward alone communicates. DDP's name, so loops written for DDP work unchanged.
-        self.require_backward_grad_sync = True
         # Each p.grad becomes a view of its bucket's buffer (grads_as_views, DDP's
         # gradient_as_bucket_view): autograd accumulates straight into the buffer, nothing is
         # copied in or out, and the buckets are the gradients' memory, not an extra copy of it.
@@ -53,12 +50,10 @@ class BucketedDP(nn.Module):
             if p.requires_grad:  # frozen parameters have no gradient and no place in a bucket
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
     def _grad_ready(self, p):  # (BucketManager.ready runs under no_grad)
-        if not self.require_backward_grad_sync:  # a non-final micro-step: just accumulate
+        if not self.require_backward_grad_sync:  # no_sync(), a non-final micro-step: accumulate
             return
+        self.at_end_of_backward(self.finish_gradient_synchronization)  # as DDP: in loss.backward()
         self.buckets.ready(p)  # launches every bucket that is now full, in bucket order
 
     def _launch(self, bucket):
@@ -96,11 +91,10 @@ def main(argv=None):
                 # rather than wrap the other micro-steps in DDP's `no_sync()`).
                 model.require_backward_grad_sync = micro == args.grad_accum - 1
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in the buckets
-                loss.backward()  # the hooks launch each bucket's all-reduce once it is full
-                losses.append(loss)
-            model.finish_gradient_synchronization()  # wait for every bucket
+                loss.backward()  # the hooks launch each bucket's all-reduce once it is full;
+                losses.append(loss)  # at its end, finish_gradient_synchronization() waits for all
             optimizer.step()
-            optimizer.zero_grad()  # in place: the grads must stay views of the buckets
+            optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)
     ### TRAINING SECTION END
 

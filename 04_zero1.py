@@ -33,17 +33,21 @@ import measure
 
 
 # ----------------------------------------------------------------------------- the strategy
-class ZeRO1Optimizer:
-    """Shaped like PyTorch's `ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`.
+class ZeRO1Optimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer shaped like PyTorch's `ZeroRedundancyOptimizer(params,
+    optimizer_class, **defaults)`, used where a loop used that (and DDP: 04 reduces itself).
 
     params            the model's parameters; the trainable ones are moved into one flat buffer
                       that they view from then on (frozen ones stay where they are)
-    optimizer_class   a torch.optim optimizer, run over this rank's shard only
+    optimizer_class   any torch.optim optimizer (AdamW, Adam, SGD, ...), run over my shard only
     grad_clip         global-norm gradient clipping across all shards; 0 turns it off
-    **defaults        the optimizer's own arguments (lr, betas, ...)
+    **defaults        the optimizer's own arguments (lr, betas, momentum, ...)
 
-    Rank 0's parameters are broadcast here, so ranks may start from different weights. Call
-    `step()` once per optimizer step, after the last micro-step's backward, then `zero_grad()`.
+    `param_groups` are the inner optimizer's, so torch.optim.lr_scheduler schedules it;
+    `state_dict()` / `load_state_dict()` are the inner optimizer's too: this rank's shard only
+    (checkpoint.py saves and resumes the whole run, at any world size). Rank 0's parameters are
+    broadcast here, so ranks may start from different weights. Call `step()` once per optimizer
+    step, after the last micro-step's backward, then `zero_grad()`.
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, grad_clip=0.0, **defaults):
@@ -71,6 +75,7 @@ class ZeRO1Optimizer:
                 # autograd accumulates into an existing .grad in place: into the flat buffer
                 p.grad = self.flat_grad[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
+            self.grad_views = [p.grad for p in self.params]
             # Ranks may start from different random weights: make rank 0's the truth.
             dist.broadcast(self.flat_param, src=0)
             for p in params:
@@ -89,9 +94,13 @@ class ZeRO1Optimizer:
         self.master_shard = self.param_shard.to(torch.float32)  # (numel_padded / N,) fp32
         # A real torch.optim optimizer over one tensor: Adam moments exist for my shard only.
         self.optim = optimizer_class([self.master_shard], **defaults)
+        super().__init__([self.master_shard], defaults)
+        self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):
+        assert closure is None, "closures are not supported"
+        self._gradients_into_flat_buffer()
         # 1) reduce-scatter the flat gradient, averaged: afterwards I hold the global batch's
         # gradient for my shard and nothing else. An all-reduce and then a slice would give the
         # same numbers but send 2 Psi (N-1)/N elements, and the all-gather in 3) another
@@ -133,8 +142,28 @@ class ZeRO1Optimizer:
         for g in grads:
             g.mul_(clip_coef)
 
-    def zero_grad(self):
-        self.flat_grad.zero_()  # in place: every parameter's .grad must stay a view of it
+    def zero_grad(self, set_to_none=True):
+        """In place, every p.grad stays a view of the flat buffer. set_to_none (PyTorch's
+        default) drops them; the next step() then copies what backward made into the buffer."""
+        if set_to_none:
+            for p in self.params:
+                p.grad = None
+        else:
+            self.flat_grad.zero_()
+
+    def _gradients_into_flat_buffer(self):
+        for p, view in zip(self.params, self.grad_views):
+            if p.grad is None:  # no gradient this step (set_to_none, then unused): zeros
+                view.zero_()
+            elif p.grad._base is not self.flat_grad:  # a fresh tensor from autograd
+                view.copy_(p.grad)
+            p.grad = view
+
+    def state_dict(self):
+        return self.optim.state_dict()  # my shard's state
+
+    def load_state_dict(self, state_dict):
+        self.optim.load_state_dict(state_dict)
 
     def checkpoint_shards(self, names):
         """For checkpoint.py: the flat buffer's layout and what I hold of it. I hold all the
@@ -166,7 +195,7 @@ def main(argv=None):
                 losses.append(loss)
             # ZeRO-1 keeps the full gradient, so it communicates once per optimizer step:
             optimizer.step()  # 1) reduce-scatter  2) AdamW on my shard  3) all-gather
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=False)  # in place: the grads stay views, no copy
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END
 

@@ -41,18 +41,21 @@ from bucket import BucketManager
 
 
 # ----------------------------------------------------------------------------- the strategy
-class ZeRO2Optimizer:
-    """Shaped like PyTorch's `ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`.
+class ZeRO2Optimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer shaped like PyTorch's `ZeroRedundancyOptimizer(params,
+    optimizer_class, **defaults)`, used where a loop used that (and DDP: 05 reduces itself).
 
     params            the model's parameters; the trainable ones are moved into one flat buffer
                       per bucket that they view from then on (frozen ones stay where they are)
-    optimizer_class   a torch.optim optimizer, run over this rank's shard of every bucket
+    optimizer_class   any torch.optim optimizer (AdamW, Adam, SGD, ...), over my shard of every bucket
     bucket_cap_mb     the bucket size, as in 03 and DDP
     grad_clip         global-norm gradient clipping across all shards; 0 turns it off
-    **defaults        the optimizer's own arguments (lr, betas, ...)
+    **defaults        the optimizer's own arguments (lr, betas, momentum, ...)
 
-    Rank 0's parameters are broadcast here, so ranks may start from different weights. After
-    every backward call `finish_reduce_scatter()`; once per optimizer step `step()`, `zero_grad()`.
+    `param_groups`, `state_dict()` and `load_state_dict()` are the inner optimizer's, as in 04
+    (this rank's shards only). Rank 0's parameters are broadcast here, so ranks may start from
+    different weights. Each backward ends by waiting for its reduce-scatters (a callback queued
+    with the autograd engine, inside loss.backward()); then `step()` and `zero_grad()`.
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, bucket_cap_mb=25.0, grad_clip=0.0,
@@ -98,9 +101,15 @@ class ZeRO2Optimizer:
                     dist.broadcast(p.data, src=0)
         # A real torch.optim optimizer over my shards: Adam moments exist for them only.
         self.optim = optimizer_class(self.master_shards, **defaults)
+        super().__init__(self.master_shards, defaults)
+        self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
         # Fires during backward once p.grad is complete (a tied weight's: both uses summed).
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self.grad_buckets.ready)
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, p):
+        common.at_end_of_backward(self, self.finish_reduce_scatter)  # wait for all at its end
+        self.grad_buckets.ready(p)
 
     @torch.no_grad()
     def _reduce_scatter(self, bucket):
@@ -137,13 +146,14 @@ class ZeRO2Optimizer:
         # ### END SOLUTION
 
     def finish_reduce_scatter(self):
-        """After each backward: launch any bucket a parameter without gradient left short, wait
-        for every bucket's reduce-scatter, keep my slices."""
+        """At the end of each backward: launch any bucket a parameter without gradient left
+        short, wait for every bucket's reduce-scatter, keep my slices."""
         self.grad_buckets.finish()
 
     @torch.no_grad()
-    def step(self):
-        assert None not in self.grad_shards, "call finish_reduce_scatter() after every backward"
+    def step(self, closure=None):
+        assert closure is None, "closures are not supported"
+        assert None not in self.grad_shards, "step() before any backward since zero_grad()"
         # 1) the reduce-scatters ran during backward: my gradient shards are ready.
 
         # 2) AdamW on my shard of every bucket, in fp32 (bf16 gradients are cast up first)
@@ -172,8 +182,14 @@ class ZeRO2Optimizer:
         for g in grads:
             g.mul_(clip_coef)
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):  # either way: the gradients are my shards, not p.grad
         self.grad_shards = [None] * len(self.grad_shards)  # the next backward's slices start them
+
+    def state_dict(self):
+        return self.optim.state_dict()  # my shards' state
+
+    def load_state_dict(self, state_dict):
+        self.optim.load_state_dict(state_dict)
 
     def checkpoint_shards(self, names):
         """For checkpoint.py: per bucket as in 04, the layout and what I hold of it."""
@@ -204,9 +220,8 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 x, y = common.get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
-                loss.backward()  # 1) each bucket is reduce-scattered as soon as it is full
-                optimizer.finish_reduce_scatter()  # every micro-step: no full gradient is kept
-                losses.append(loss)
+                loss.backward()  # 1) each bucket is reduce-scattered as soon as it is full, every
+                losses.append(loss)  # micro-step (no full gradient is kept); waited for at its end
             optimizer.step()  # 2) AdamW on my shards  3) all-gather, bucket by bucket
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)

@@ -101,11 +101,9 @@ class BucketManager:
     def ready(self, p: nn.Parameter):
         """Call when p's gradient for this backward is complete (from its post-accumulate hook)."""
         bucket = self.bucket_of[p]
-        if self.grads_as_views and p.grad._base is not bucket.buffer:  # (a view's _base: what it views)
-            # Someone set p.grad to None (zero_grad(set_to_none=True)), so autograd made a fresh
-            # tensor: the bucket would reduce stale zeros and the optimizer read an unreduced grad.
-            raise RuntimeError("p.grad is no longer a view of its bucket; zero gradients in place")
-        if not self.grads_as_views:
+        if self.grads_as_views:
+            self._adopt(p, bucket)
+        else:
             if bucket.buffer is None:
                 bucket.allocate()
             bucket.view(p).copy_(p.grad)
@@ -120,6 +118,19 @@ class BucketManager:
         while self.next_to_launch < len(self.buckets) and not self.buckets[self.next_to_launch].pending:
             self._launch(self.buckets[self.next_to_launch])
         # ### END SOLUTION
+
+    @staticmethod
+    def _adopt(p, bucket):
+        """Make p.grad its bucket view again, holding p's gradient. zero_grad(set_to_none=True),
+        PyTorch's default, drops p.grad, and autograd then makes a fresh tensor: copy it into the
+        view and point p.grad back at it, as DDP does with gradient_as_bucket_view. No gradient
+        at all this step (p unused): zeros, not last step's values."""
+        view = bucket.view(p)
+        if p.grad is None:
+            view.zero_()
+        elif p.grad._base is not bucket.buffer:  # (a view's _base: the tensor it views)
+            view.copy_(p.grad)
+        p.grad = view
 
     def _launch(self, bucket):
         while self.max_in_flight is not None and len(self.in_flight) >= self.max_in_flight:
@@ -142,6 +153,9 @@ class BucketManager:
             bucket = self.buckets[self.next_to_launch]
             if bucket.buffer is None:
                 bucket.allocate()
+            if self.grads_as_views:
+                for p in bucket.pending:
+                    self._adopt(p, bucket)
             self._launch(bucket)
         for bucket, work in self.in_flight:
             self._complete(bucket, work)

@@ -4,6 +4,7 @@ the optimizer used by 01-03, and a clean exit.
 Nothing here calls a collective on the lessons' behalf; the lessons do that on the page.
 """
 import argparse
+import contextlib
 import functools
 import os
 import signal
@@ -16,6 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from checkpoint import FlatShard
 from model import GPT, GPTConfig
@@ -411,6 +413,50 @@ def get_batch(args, env: Dist, step, micro):
     per_micro = per_rank // args.grad_accum
     rows = _rows[1][micro * per_micro:(micro + 1) * per_micro]
     return rows[:, :-1], rows[:, 1:]
+
+
+# ----------------------------------------------------------------------------- DDP's shape (01-03)
+class Replicated(nn.Module):
+    """What 01-03 share with `DistributedDataParallel`'s interface, so a loop written for DDP
+    runs them unchanged: `.module`, calling it runs the module, `require_backward_grad_sync`
+    and `no_sync()` (gradient accumulation), and at_end_of_backward(fn) to run `fn` once the
+    backward in progress is over, inside `loss.backward()`: the autograd engine's callback
+    queue, which DDP's reducer uses to finish its all-reduces. Not in a no_sync() backward."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.require_backward_grad_sync = True
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """As DDP's: backward passes inside only accumulate; the next one outside synchronizes."""
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
+    def at_end_of_backward(self, fn):
+        if self.require_backward_grad_sync:
+            at_end_of_backward(self, fn)
+
+
+def at_end_of_backward(owner, fn):
+    """Call from a gradient hook: fn() runs once this backward is over, inside loss.backward(),
+    once per backward for each owner. (The autograd engine's callback queue, as DDP's reducer
+    and FSDP use, so the training loop needs no call of its own after backward.)"""
+    if getattr(owner, "_end_of_backward_queued", False):
+        return
+    owner._end_of_backward_queued = True
+
+    def run():
+        owner._end_of_backward_queued = False
+        fn()
+    torch.autograd.Variable._execution_engine.queue_callback(run)
 
 
 # ----------------------------------------------------------------------------- optimizer (01-03)

@@ -317,9 +317,11 @@ class MemoryLedger:
             for state in obj.state.values():
                 for t in state.values():
                     self._walk(t, "optimizer", found, seen, depth + 1)
-            for k, v in vars(obj).items():  # a wrapped inner optimizer (ZeroRedundancyOptimizer.optim)
-                if isinstance(v, torch.optim.Optimizer):
+            for k, v in vars(obj).items():
+                if isinstance(v, torch.optim.Optimizer):  # a wrapped inner one (ZeroRedundancyOptimizer.optim)
                     self._walk(v, "optimizer", found, seen, depth + 1)
+                elif k not in ("param_groups", "state", "defaults") and not k.startswith("_"):
+                    self._walk(v, _category(k, category), found, seen, depth + 1)  # 04/05's buffers
         elif isinstance(obj, nn.Module):
             for t in list(obj.parameters()) + list(obj.buffers()):
                 self._walk(t, "params", found, seen, depth + 1)

@@ -42,12 +42,8 @@ class _Replicated:
         return total
 
     def _sync_context(self, last):
-        import contextlib
-        if isinstance(self.wrapper, nn.parallel.DistributedDataParallel) and not last:
-            return self.wrapper.no_sync()
-        if hasattr(self.wrapper, "require_backward_grad_sync"):
-            self.wrapper.require_backward_grad_sync = last
-        return contextlib.nullcontext()
+        # DDP's way, which 01-03 share: every micro-step but the last in no_sync()
+        return contextlib.nullcontext() if last else self.wrapper.no_sync()
 
     def full_parameters(self):
         return _named_full(self.module)
@@ -64,14 +60,14 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, **kw):
                                                   find_unused_parameters=kw.get("find_unused", False))
         return _Replicated(ddp, module, grad_clip, lr, sync=None)
     if lesson == "01":
-        dp = load_lesson("01_vanilla_dp").VanillaDP(module)
-        return _Replicated(dp, module, grad_clip, lr, sync=lambda w: w.all_reduce_gradients())
+        dp = load_lesson("01_vanilla_dp").VanillaDP(module)  # averages at the end of backward, as DDP
+        return _Replicated(dp, module, grad_clip, lr, sync=None)
     if lesson == "02":
         dp = load_lesson("02_async_allreduce").AsyncAllReduceDP(module)
-        return _Replicated(dp, module, grad_clip, lr, sync=lambda w: w.finish_gradient_synchronization())
+        return _Replicated(dp, module, grad_clip, lr, sync=None)
     if lesson == "03":
         dp = load_lesson("03_buckets").BucketedDP(module, bucket_cap_mb=bucket_mb)
-        return _Replicated(dp, module, grad_clip, lr, sync=lambda w: w.finish_gradient_synchronization())
+        return _Replicated(dp, module, grad_clip, lr, sync=None)
     if lesson == "06":
         z = load_lesson("06_zero3").ZeRO3(
             module, kw.get("optimizer_class", torch.optim.AdamW), units=sharding_units(module),
@@ -87,7 +83,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, **kw):
             return _ShardedOptimizer(module, opt)
         opt = load_lesson("05_zero2").ZeRO2Optimizer(module.parameters(), opt_class, bucket_cap_mb=bucket_mb,
                                                      grad_clip=grad_clip, **opt_kwargs)
-        return _ShardedOptimizer(module, opt, after_backward=opt.finish_reduce_scatter)
+        return _ShardedOptimizer(module, opt)  # its reduce-scatters end inside backward
     if lesson == "zero_redundancy":
         return _zero_redundancy(module, grad_clip, lr, bucket_mb, kw.get("find_unused", False))
     if lesson == "fsdp2_noreshard":
@@ -150,14 +146,12 @@ def _fsdp2(module, grad_clip, lr):
 class _ShardedOptimizer:
     """04, 05 and their PyTorch counterparts: the strategy is (or includes) the optimizer.
 
-    after_backward()  after every micro-step's backward (05: wait for its reduce-scatters)
     before_step()     e.g. PyTorch's clipping, which ZeroRedundancyOptimizer does not do itself
     sync(last)        a context per micro-step (DDP's no_sync on all but the last)
     """
 
-    def __init__(self, model, opt, after_backward=None, before_step=None, sync=None, full_parameters=None):
+    def __init__(self, model, opt, before_step=None, sync=None, full_parameters=None):
         self.model, self.opt = model, opt
-        self.after_backward = after_backward or (lambda: None)
         self.before_step = before_step or (lambda: None)
         self.sync = sync or (lambda last: contextlib.nullcontext())
         self._full = full_parameters
@@ -168,7 +162,6 @@ class _ShardedOptimizer:
             with self.sync(i == len(micro_batches) - 1):
                 loss = self.model(x, y) / len(micro_batches)
                 loss.backward()
-            self.after_backward()
             total += loss.item()
         self.before_step()
         self.opt.step()

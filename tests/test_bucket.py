@@ -129,12 +129,19 @@ def test_grads_are_views_of_the_bucket_and_autograd_accumulates_into_it():
                                rtol=0, atol=1e-6)  # float sums of 4 values: round-off only
 
 
-def test_a_grad_that_is_no_longer_a_view_is_an_error():
-    ps = params(3)
-    m = BucketManager(ps, 25, Recorder().launch)
-    ps[0].grad = torch.ones(3)  # e.g. zero_grad(set_to_none=True) then a backward
-    with pytest.raises(RuntimeError, match="no longer a view"):
-        m.ready(ps[0])
+def test_a_fresh_grad_is_copied_into_its_bucket_and_pointed_back_at_it():
+    # zero_grad(set_to_none=True), PyTorch's default, then a backward: autograd makes a fresh
+    # tensor. As DDP with gradient_as_bucket_view: copy it in, point p.grad back at the view.
+    rec = Recorder()
+    ps = params(3, 2)
+    m = BucketManager(ps, 25, rec.launch)
+    buffer = m.buckets[0].buffer
+    buffer.fill_(7.0)  # last step's gradients, stale
+    ps[0].grad, ps[1].grad = torch.arange(3.0), None  # ps[1]: no gradient at all this step
+    m.ready(ps[0])
+    m.finish()  # ps[1] never became ready: its bucket goes with zeros for it, not stale values
+    assert ps[0].grad._base is buffer and ps[1].grad._base is buffer
+    assert torch.equal(buffer, torch.tensor([0.0, 0.0, 0.0, 1.0, 2.0]))  # reverse order: ps[1] first
 
 
 # ----------------------------------------------------------------------------- readiness

@@ -196,11 +196,11 @@ def first_step_gradients(lesson, argv):
         opt = load_lesson(lesson).ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, **common.adamw_kwargs(args))
         pieces = [(b.params, [b.offsets[p][0] for p in b.params], m, b.numel_padded)
                   for b, m in zip(opt.grad_buckets.buckets, opt.master_shards)]
-        after_backward, inner, names = opt.finish_reduce_scatter, opt.optim, model
+        inner, names = opt.optim, model
     else:
         z = load_lesson(lesson).build_model(args, env)
         pieces = [(u.params, u.offsets, u.master_shard, u.numel_padded) for u in z.units]
-        model, opt, after_backward, inner, names = z, z, (lambda: None), z.optim, z.module
+        model, opt, inner, names = z, z, z.optim, z.module
     grads = {}
 
     def capture():  # instead of the first optimizer step
@@ -215,8 +215,7 @@ def first_step_gradients(lesson, argv):
     inner.step = capture
     for micro in range(args.grad_accum):
         x, y = common.get_batch(args, env, 0, micro)
-        (model(x, y) / args.grad_accum).backward()
-        after_backward()
+        (model(x, y) / args.grad_accum).backward()  # (05's reduce-scatters end inside it)
     opt.step()
     return {name: grads[p] for name, p in names.named_parameters()}
 
