@@ -1,0 +1,186 @@
+"""Drop-in: one training loop, written once as a user writes it for PyTorch's class, run with
+PyTorch's class and with the lesson's, one line apart (the line that builds them). Parameters
+are compared after every step.
+
+    01, 02, 03  against DistributedDataParallel: zero_grad() both ways, no_sync() for gradient
+                accumulation, SGD with momentum and AdamW built over model.parameters()
+    04, 05      against DDP + ZeroRedundancyOptimizer: SGD with momentum and AdamW, an
+                lr_scheduler, and (04, 05) a state_dict() round trip mid-run
+"""
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+import common
+from harness import load_lesson, once, spawn
+from zero_parity import ARGV, key_bias_apart  # ARGV: a GPT whose Psi no world size divides
+
+STEPS, ACCUM = 4, 2
+OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+              "adamw": (torch.optim.AdamW, dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1))}
+
+
+def user_loop(model, opt, batches, zero_grad_to_none=True, scheduler=None, round_trip=None):
+    """The loop, as written for DDP (+ ZeroRedundancyOptimizer). Returns the parameters after
+    every step. round_trip(model, opt) -> (model, opt): a restored copy of both, after step 1."""
+    after = []
+    for step, micro_batches in enumerate(batches):
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = model(x, y) / len(micro_batches)
+                loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad(set_to_none=zero_grad_to_none)
+        after.append({n: p.detach().clone() for n, p in model.module.named_parameters()})
+        if step == 1 and round_trip is not None:
+            model, opt = round_trip(model, opt)
+    return after
+
+
+def gpt_and_batches():
+    args = common.parse_args(ARGV + ["--grad-accum", str(ACCUM)])
+    env = common.Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "gloo")
+    batches = [[common.get_batch(args, env, s, m) for m in range(ACCUM)] for s in range(STEPS)]
+    return common.GPT(common.model_config(args), seed=args.seed), batches
+
+
+# ----------------------------------------------------------------------------- 01-03 vs DDP
+def replicated_runs():
+    gpt, batches = gpt_and_batches()
+    lessons = {"01": lambda m: load_lesson("01_vanilla_dp").VanillaDP(m),
+               "02": lambda m: load_lesson("02_async_allreduce").AsyncAllReduceDP(m),
+               "03": lambda m: load_lesson("03_buckets").BucketedDP(m, bucket_cap_mb=0.02),  # 3+ buckets
+               "ddp": lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=0.02)}
+    out = {}
+    for name, wrap in lessons.items():
+        for opt_name, (cls, kw) in OPTIMIZERS.items():
+            for to_none in (True, False):
+                model = wrap(copy.deepcopy(gpt))
+                opt = cls(model.parameters(), **kw)  # the user's optimizer, over the wrapper's parameters
+                out[name, opt_name, to_none] = user_loop(model, opt, batches, zero_grad_to_none=to_none)
+    return out
+
+
+@once
+def replicated(world):
+    return spawn(world, replicated_runs)
+
+
+def same_every_step(got, want, exact, tol=None):
+    assert len(got) == len(want) == STEPS
+    for step, (g, w) in enumerate(zip(got, want)):
+        g, w = key_bias_apart(g), key_bias_apart(w)
+        assert g.keys() == w.keys()
+        for name in w:
+            if exact:
+                assert torch.equal(g[name], w[name]), f"step {step} {name}"
+            else:  # the key bias: its exact gradient is 0, so round-off noise Adam may scale up
+                t = dict(rtol=0, atol=2 * 3e-3 * (step + 1)) if name.endswith("[key]") else tol
+                torch.testing.assert_close(g[name], w[name], **t, msg=f"step {step} {name}")
+
+
+# At 2 ranks the arithmetic is DDP's, operation for operation: each gradient divided by 2 (exact)
+# and summed with the other rank's (a + b = b + a), then the same optimizer on the same tensors:
+# bit for bit. At 4 ranks gloo's ring sums four values in an order that depends on where an
+# element falls in the buffer it reduces (a parameter alone, or a bucket): float round-off,
+# ~1e-7 relative per step; 1e-5 is far below what a missing average or a stale gradient does.
+# Except the attention's key bias (zero_parity.KEY_BIAS_ATOL says why): its exact gradient is
+# zero, so what backward computes for it is round-off noise, which AdamW normalises into steps
+# of up to lr: within 2 x lr per step taken.
+TOL4 = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("lesson", ["01", "02", "03"])
+def test_ddp_loop_runs_01_02_03_unchanged(world, lesson):
+    for rank_out in replicated(world):
+        for opt_name in OPTIMIZERS:
+            for to_none in (True, False):
+                got, want = rank_out[lesson, opt_name, to_none], rank_out["ddp", opt_name, to_none]
+                same_every_step(got, want, exact=world == 2, tol=TOL4)
+
+
+# ----------------------------------------------------------------------------- 04, 05 vs ZeroRedundancyOptimizer
+def schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))  # changes every step
+
+
+def sharded_runs():
+    gpt, batches = gpt_and_batches()
+    out = {}
+    for opt_name, (cls, kw) in OPTIMIZERS.items():
+        # PyTorch: DDP averages the gradients, ZeroRedundancyOptimizer shards the optimizer
+        model = nn.parallel.DistributedDataParallel(copy.deepcopy(gpt), bucket_cap_mb=0.02)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kw)
+        out["torch", opt_name] = user_loop(model, opt, batches, scheduler=schedule(opt))
+        for lesson in ("04", "05"):
+            model = NoSync(copy.deepcopy(gpt))  # a ZeRO optimizer reduces itself: no DDP wrapper
+            make = ((lambda params: load_lesson("04_zero1").ZeRO1Optimizer(params, cls, **kw)) if lesson == "04"
+                    else lambda params: load_lesson("05_zero2").ZeRO2Optimizer(params, cls, bucket_cap_mb=0.02, **kw))
+            opt = make(model.parameters())
+            out[lesson, opt_name] = user_loop(model, opt, batches, scheduler=schedule(opt))
+
+            def round_trip(model, opt, make=make):
+                """As a resumed run: a new model and optimizer, loaded from the old ones' state."""
+                fresh = NoSync(copy.deepcopy(gpt))
+                fresh.module.load_state_dict(model.module.state_dict())
+                new = make(fresh.parameters())
+                new.load_state_dict(copy.deepcopy(opt.state_dict()))
+                return fresh, new
+            model = NoSync(copy.deepcopy(gpt))
+            opt = make(model.parameters())
+            out[lesson, opt_name, "round_trip"] = user_loop(model, opt, batches, round_trip=round_trip)
+            model = NoSync(copy.deepcopy(gpt))
+            opt = make(model.parameters())
+            out[lesson, opt_name, "plain"] = user_loop(model, opt, batches)
+    return out
+
+
+class NoSync(nn.Module):
+    """What stands in for DDP's wrapper where a ZeRO optimizer does the reducing: micro-steps
+    accumulate locally anyway (04: in its flat buffer; 05 reduce-scatters each one)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+
+@once
+def sharded(world):
+    return spawn(world, sharded_runs)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("lesson", ["04", "05"])
+def test_zero_redundancy_loop_runs_04_05_with_an_lr_scheduler(world, lesson):
+    # ZeroRedundancyOptimizer steps whole parameters, the lessons flat shards: AdamW and SGD are
+    # elementwise, so the same numbers, but CPU kernels vectorise a long flat tensor and many
+    # short ones differently (fused multiply-adds in the vector loop, not in the tail), and 05
+    # reduce-scatters each micro-step where DDP sums them first: round-off only. 1e-5 as above.
+    for rank_out in sharded(world):
+        for opt_name in OPTIMIZERS:
+            same_every_step(rank_out[lesson, opt_name], rank_out["torch", opt_name], exact=False, tol=TOL4)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("lesson", ["04", "05"])
+def test_state_dict_round_trip_continues_bitwise(world, lesson):
+    # the same run, the optimizer replaced after step 1 by a new one loaded from state_dict():
+    # every later step identical to the uninterrupted run's, bit for bit
+    for rank_out in sharded(world):
+        for opt_name in OPTIMIZERS:
+            same_every_step(rank_out[lesson, opt_name, "round_trip"], rank_out[lesson, opt_name, "plain"], exact=True)
