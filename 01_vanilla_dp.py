@@ -86,6 +86,7 @@ def main(argv=None):
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
                 loss.backward()  # ... and, at the last micro-step, all_reduce_gradients() at its end
                 losses.append(loss)
+            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)

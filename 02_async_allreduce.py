@@ -94,6 +94,7 @@ def main(argv=None):
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
                 loss.backward()  # the hooks launch the all-reduces; at its end, wait for them all
                 losses.append(loss)
+            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)

@@ -93,6 +93,7 @@ def main(argv=None):
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in the buckets
                 loss.backward()  # the hooks launch each bucket's all-reduce once it is full;
                 losses.append(loss)  # at its end, finish_gradient_synchronization() waits for all
+            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)

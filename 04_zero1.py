@@ -194,6 +194,7 @@ def main(argv=None):
                 loss.backward()  # gradients accumulate locally, in the flat buffer
                 losses.append(loss)
             # ZeRO-1 keeps the full gradient, so it communicates once per optimizer step:
+            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()  # 1) reduce-scatter  2) AdamW on my shard  3) all-gather
             optimizer.zero_grad(set_to_none=False)  # in place: the grads stay views, no copy
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)

@@ -222,6 +222,7 @@ def main(argv=None):
                 loss = model(x, y) / args.grad_accum
                 loss.backward()  # 1) each bucket is reduce-scattered as soon as it is full, every
                 losses.append(loss)  # micro-step (no full gradient is kept); waited for at its end
+            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()  # 2) AdamW on my shards  3) all-gather, bucket by bucket
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)

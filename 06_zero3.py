@@ -373,6 +373,7 @@ def main(argv=None):
                 loss = model(x, y) / args.grad_accum  # 1) gather 2) forward 3) free, unit by unit
                 loss.backward()  # 4) gather again 5) reduce-scatter into my grad shard, unit by unit
                 losses.append(loss)
+            common.set_learning_rate(model.optim, args, step)  # --lr-schedule
             model.step()  # 6) AdamW on my shard
             model.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)

@@ -6,6 +6,7 @@ Nothing here calls a collective on the lessons' behalf; the lessons do that on t
 import argparse
 import contextlib
 import functools
+import math
 import os
 import signal
 import sys
@@ -50,7 +51,11 @@ def build_parser(description=""):
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
     # optimisation
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="cosine: from --lr down to --lr/10 at the last step, after the warm-up")
+    p.add_argument("--warmup-steps", type=int, default=0, metavar="K",
+                   help="raise the learning rate linearly over the first K steps")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 turns it off")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     # communication
@@ -91,6 +96,8 @@ def parse_args(argv=None, description=""):
         fail(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     if args.lr <= 0 or args.bucket_mb <= 0 or args.grad_clip < 0 or args.timeout <= 0:
         fail("--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative")
+    if args.warmup_steps < 0:
+        fail(f"--warmup-steps must be 0 or positive, got {args.warmup_steps}")
     if args.save_every < 0:
         fail(f"--save-every must be 0 (never) or positive, got {args.save_every}")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
@@ -459,7 +466,24 @@ def at_end_of_backward(owner, fn):
     torch.autograd.Variable._execution_engine.queue_callback(run)
 
 
-# ----------------------------------------------------------------------------- optimizer (01-03)
+# ----------------------------------------------------------------------------- optimizer
+def learning_rate(args, step):
+    """The learning rate of optimizer step `step` (nanoGPT's schedule): a linear warm-up over
+    --warmup-steps, then --lr (constant) or a cosine from --lr down to --lr / 10 at the last step."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / (args.warmup_steps + 1)
+    if args.lr_schedule == "constant":
+        return args.lr
+    progress = (step - args.warmup_steps) / max(1, args.steps - 1 - args.warmup_steps)
+    return args.lr / 10 + (args.lr - args.lr / 10) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def set_learning_rate(optimizer, args, step):
+    """Set every param group's lr for this step; stateless, so a resumed run picks it up as is."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(args, step)
+
+
 def adamw_kwargs(args):
     # weight_decay=0: a parameter that gets no gradient then gets no update whether its gradient
     # is None (single process) or zeros (a bucket or a flat shard), so every lesson can match.
@@ -483,6 +507,10 @@ class MixedPrecisionAdamW:
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         self.master = [p.detach().float().clone() for p in self.params] if self.mixed else self.params
         self.optim = torch.optim.AdamW(self.master, **adamw_kwargs)
+
+    @property
+    def param_groups(self):  # the AdamW's, for learning-rate schedules
+        return self.optim.param_groups
 
     @torch.no_grad()
     def step(self):

@@ -187,6 +187,7 @@ def reference(argv, steps=None):
         tokens = common.global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
+        common.set_learning_rate(opt, args, step)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

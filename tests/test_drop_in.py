@@ -184,3 +184,35 @@ def test_state_dict_round_trip_continues_bitwise(world, lesson):
     for rank_out in sharded(world):
         for opt_name in OPTIMIZERS:
             same_every_step(rank_out[lesson, opt_name, "round_trip"], rank_out[lesson, opt_name, "plain"], exact=True)
+
+
+# ----------------------------------------------------------------------------- the learning-rate schedule
+SCHEDULED = ["--steps", "6", "--n-layer", "2", "--d-model", "32", "--seq-len", "16", "--global-batch", "8",
+             "--log-every", "100", "--peak-params", "0", "--lr-schedule", "cosine", "--warmup-steps", "2"]
+LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3"]
+
+
+def test_cosine_schedule_with_warm_up():
+    args = common.parse_args(["--steps", "11", "--lr", "1.0", "--lr-schedule", "cosine", "--warmup-steps", "2"])
+    rates = [common.learning_rate(args, s) for s in range(11)]
+    assert rates[:3] == [1 / 3, 2 / 3, 1.0]  # warm-up, then the peak
+    assert rates[-1] == pytest.approx(0.1) and rates[2 + 4] == pytest.approx(0.55)  # lr/10 at the end; halfway
+    assert all(a >= b for a, b in zip(rates[2:], rates[3:]))
+    constant = common.parse_args(["--lr", "0.5"])
+    assert {common.learning_rate(constant, s) for s in range(40)} == {0.5}
+
+
+def scheduled_lessons():
+    from harness import run_lesson
+    return {name: run_lesson(name, SCHEDULED) for name in LESSONS}
+
+
+def test_every_lesson_follows_the_schedule_like_single_process_training():
+    from harness import reference
+    from zero_parity import close  # fp32 parity, 1e-5 (the key bias apart): zero_parity says why
+    want = reference(SCHEDULED)
+    constant = reference(SCHEDULED[:-4])
+    assert abs(want["losses"][-1] - constant["losses"][-1]) > 1e-2  # the schedule changes the run
+    for runs in spawn(2, scheduled_lessons):
+        for name in LESSONS:
+            close({"losses": runs[name]["losses"], "params": runs[name]["params"]}, want)
