@@ -89,9 +89,11 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         start = self.rank * shard_numel
         self.param_shard = self.flat_param[start:start + shard_numel]  # (numel_padded / N,), a view
         # ### END SOLUTION
-        # fp32 master weights for my shard only: a copy in bf16 mode; in fp32 mode the shard is
-        # its own master (.to returns the same tensor), so nothing is duplicated.
-        self.master_shard = self.param_shard.to(torch.float32)  # (numel_padded / N,) fp32
+        # fp32 master weights for my shard only: in bf16 mode a copy, from the fp32 initial
+        # weights (common.master_weights: a bf16 run starts where the fp32 run starts); in fp32
+        # mode the shard is its own master, so nothing is duplicated.
+        self.master_shard = (self.param_shard if dtype == torch.float32 else  # (numel_padded / N,) fp32
+                             common.master_shard(self.params, self.rank * shard_numel, shard_numel))
         # A real torch.optim optimizer over one tensor: Adam moments exist for my shard only.
         self.optim = optimizer_class([self.master_shard], **defaults)
         super().__init__([self.master_shard], defaults)

@@ -93,9 +93,10 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                 param_shard = flat_param[start:start + shard_numel]  # (numel_padded / N,), a view
                 self.flat_params.append(flat_param)  # (numel_padded,)
                 self.param_shards.append(param_shard)
-                # fp32 master weights for my shard only: a copy in bf16 mode; in fp32 mode the
-                # shard is its own master (.to returns the same tensor).
-                self.master_shards.append(param_shard.to(torch.float32))
+                # fp32 master weights for my shard only: a copy in bf16 mode, from the fp32
+                # initial weights (as in 04); in fp32 mode the shard is its own master.
+                self.master_shards.append(param_shard if bucket.dtype == torch.float32 else
+                                          common.master_shard(bucket.params, start, shard_numel))
             for p in params:
                 if not p.requires_grad:  # frozen, but it must still be the same on every rank
                     dist.broadcast(p.data, src=0)

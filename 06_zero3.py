@@ -65,10 +65,14 @@ class Unit:
         # Trainable parameters first, frozen ones last: the trainable part of any shard is then a
         # prefix of it, so AdamW gets one tensor per unit and never sees a frozen weight.
         params = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
-        dtype, device = params[0].dtype, device or params[0].device
+        self.dtype, device = params[0].dtype, device or params[0].device
         numel = sum(p.numel() for p in params)
         self.numel_padded = math.ceil(numel / world_size) * world_size
+        # A meta module is initialised in fp32 and cast after (keep_my_shard), so that bf16's
+        # master weights start from the fp32 initial weights, as common.build_model's do.
+        dtype = torch.float32 if params[0].is_meta else self.dtype
         self.flat_param = torch.zeros(self.numel_padded, dtype=dtype, device=device)  # padding: 0
+        self.sources = params  # where a materialised module's fp32 initial weights may be
         self.params, self.offsets, offset = [], [], 0
         for old in params:
             # NOTE (the version-counter trap). Autograd saves the weights a backward needs and
@@ -97,11 +101,23 @@ class Unit:
 
     def keep_my_shard(self):
         start = self.rank * self.shard_numel
-        self.param_shard = self.flat_param[start:start + self.shard_numel].clone()
         k = min(max(self.n_trainable - start, 0), self.shard_numel)  # my trainable elements
-        # fp32 master weights: a copy in bf16 mode; in fp32 the shard is its own master (.to
-        # returns the same tensor), so nothing is duplicated.
-        self.master_shard = self.param_shard[:k].to(torch.float32) if k else None
+        # fp32 master weights for them: in bf16 mode a copy of the fp32 initial weights (from a
+        # meta module initialised in fp32, then cast to bf16 here; or common.master_weights);
+        # in fp32 mode my shard itself, so nothing is duplicated.
+        if self.flat_param.dtype != self.dtype:
+            master = self.flat_param[start:start + k].clone()
+            working = self.flat_param.to(self.dtype)
+            for p, offset in zip(self.params, self.offsets):
+                p.data = working[offset:offset + p.numel()].view(p.shape)
+            self.flat_param = working
+        elif self.dtype != torch.float32:
+            master = common.master_shard(self.sources, start, k)
+        self.param_shard = self.flat_param[start:start + self.shard_numel].clone()
+        if self.dtype == torch.float32:
+            master = self.param_shard[:k]
+        self.master_shard = master if k else None
+        self.sources = None
         self.grad_shard = self.flat_grad = self.gather_work = None
         self.pending, self.reduced = len(self.trainable), False  # gradients still to come
         self.flat_param.untyped_storage().resize_(0)  # from now on it exists only while gathered

@@ -371,8 +371,40 @@ def working_dtype(args):
 
 
 def build_model(args, env: Dist) -> GPT:
-    """The GPT on this rank's device, in the working precision, identical on every rank."""
-    return GPT(model_config(args), seed=args.seed).to(env.device, working_dtype(args))
+    """The GPT on this rank's device, in the working precision, identical on every rank.
+
+    bf16 follows FSDP2's convention: the model is initialised in fp32, and those fp32 weights
+    stay on each parameter (`p.fp32_init`) until an optimizer makes its master weights from
+    them (master_weights): a bf16 run starts where the fp32 run starts, and the bf16 working
+    copy is the fp32 weights rounded."""
+    model = GPT(model_config(args), seed=args.seed).to(env.device)
+    if working_dtype(args) != torch.float32:
+        for p in model.parameters():
+            p.fp32_init = p.detach().clone()
+        model.to(working_dtype(args))
+    return model
+
+
+def master_shard(params, start, numel):
+    """fp32 master weights for elements start .. start + numel of `params` laid back to back in
+    one flat buffer (padding: 0), each from master_weights(p). Every parameter hands over its
+    fp32 initial weights, in my slice or not, so none stays held."""
+    out = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
+    offset = 0
+    for p in params:
+        values = master_weights(p)
+        lo, hi = max(start, offset), min(start + numel, offset + p.numel())
+        if lo < hi:
+            out[lo - start:hi - start] = values[lo - offset:hi - offset]
+        offset += p.numel()
+    return out
+
+
+def master_weights(p):
+    """The fp32 values to start p's master weights from, flat: the fp32 initial weights if
+    build_model kept them (handed over once: the parameter lets go of them), else p's own."""
+    init = p.__dict__.pop("fp32_init", None)
+    return (p.detach() if init is None else init).float().reshape(-1)
 
 
 def n_params(module) -> int:
@@ -505,7 +537,8 @@ class MixedPrecisionAdamW:
         self.params = [p for p in params if p.requires_grad]
         self.grad_clip = grad_clip
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        self.master = [p.detach().float().clone() for p in self.params] if self.mixed else self.params
+        self.master = ([master_weights(p).view_as(p).clone() for p in self.params] if self.mixed
+                       else self.params)
         self.optim = torch.optim.AdamW(self.master, **adamw_kwargs)
 
     @property

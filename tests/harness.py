@@ -179,8 +179,8 @@ def reference(argv, steps=None):
     what every lesson must reproduce. Uses the same flags, model, data and optimizer."""
     import common
     args = common.parse_args(argv)
-    device = torch.device("cpu")
-    model = common.GPT(common.model_config(args), seed=args.seed).to(device, common.working_dtype(args))
+    # bf16: fp32 master weights from the fp32 initial weights, as every lesson (common.build_model)
+    model = common.build_model(args, common.Dist(0, 1, torch.device("cpu"), "gloo"))
     opt = common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
     losses = []
     for step in range(steps or args.steps):
