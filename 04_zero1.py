@@ -51,8 +51,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, grad_clip=0.0, **defaults):
-        params = list({id(p): p for p in params}.values())  # a tied weight is one parameter
-        self.params = [p for p in params if p.requires_grad]
+        groups, frozen = common.param_groups(params)  # the caller's groups, each parameter once
+        self.params = [p for g in groups for p in g["params"]]
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.grad_clip = grad_clip
         dtype, device = self.params[0].dtype, self.params[0].device
@@ -78,9 +78,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
             self.grad_views = [p.grad for p in self.params]
             # Ranks may start from different random weights: make rank 0's the truth.
             dist.broadcast(self.flat_param, src=0)
-            for p in params:
-                if not p.requires_grad:  # frozen, but it must still be the same on every rank
-                    dist.broadcast(p.data, src=0)
+            for p in frozen:  # not trained, but it must still be the same on every rank
+                dist.broadcast(p.data, src=0)
 
         # My shard: slice `rank` of the flat buffer, updated by me only.
         # ### BEGIN SOLUTION: my shard of the flat buffer
@@ -94,8 +93,11 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # mode the shard is its own master, so nothing is duplicated.
         self.master_shard = (self.param_shard if dtype == torch.float32 else  # (numel_padded / N,) fp32
                              common.master_shard(self.params, self.rank * shard_numel, shard_numel))
-        # A real torch.optim optimizer over one tensor: Adam moments exist for my shard only.
-        self.optim = optimizer_class([self.master_shard], **defaults)
+        # A real torch.optim optimizer over my shard only, so Adam moments exist for it alone; it
+        # steps one view of master_shard per parameter (common.shard_pieces), in the caller's
+        # param groups: weight decay on some parameters and not others works as usual.
+        self.pieces = common.shard_pieces(self.params, self.rank * shard_numel, self.master_shard)
+        self.optim = optimizer_class(common.piece_groups(groups, self.pieces), **defaults)
         super().__init__([self.master_shard], defaults)
         self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
 
@@ -118,11 +120,12 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # ### END SOLUTION
 
         # 2) AdamW on my shard, in fp32 (bf16 gradients are cast up first, as 01-03 do)
-        self.master_shard.grad = grad_shard.float()
+        self._gradients_into_pieces(grad_shard.float())
         if self.grad_clip > 0:
-            self.clip_grad_norm_([self.master_shard.grad])
+            self.clip_grad_norm_([piece.grad for *_, piece in self.pieces])
         self.optim.step()
-        self.master_shard.grad = None  # the gradient shard lives only during the step
+        for *_, piece in self.pieces:
+            piece.grad = None  # the gradient shard lives only during the step
 
         # 3) cast my updated shard into the flat buffer (the same tensor in fp32 mode) and
         # all-gather every rank's into the flat buffer, so every parameter view is current. In
@@ -153,6 +156,11 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         else:
             self.flat_grad.zero_()
 
+    def _gradients_into_pieces(self, grad_shard):
+        start = self.rank * self.param_shard.numel()
+        for p, offset, lo, hi, piece in self.pieces:
+            piece.grad = grad_shard[offset + lo - start:offset + hi - start]
+
     def _gradients_into_flat_buffer(self):
         for p, view in zip(self.params, self.grad_views):
             if p.grad is None:  # no gradient this step (set_to_none, then unused): zeros
@@ -168,12 +176,14 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self.optim.load_state_dict(state_dict)
 
     def checkpoint_shards(self, names):
-        """For checkpoint.py: the flat buffer's layout and what I hold of it. I hold all the
-        parameters but write only my shard of them, with my master shard and its Adam moments."""
-        start, end = self.rank * self.param_shard.numel(), (self.rank + 1) * self.param_shard.numel()
-        return [checkpoint.FlatShard([(names[p], p.numel()) for p in self.params],
-                                     {"param": (0, self.flat_param), "master": (start, self.master_shard)},
-                                     owned=(start, end), optim=self.optim)]
+        """For checkpoint.py: the flat buffer, which I hold whole and load whole but write none
+        of; and per parameter, the part of it in my shard: its working copy, its fp32 master and
+        the optimizer's state for it, which I write and load."""
+        layout = [(names[p], p.numel()) for p in self.params]
+        return [checkpoint.FlatShard(layout, {"param": (0, self.flat_param)}, owned=(0, 0))] + [
+            checkpoint.FlatShard([(names[p], p.numel())], {"param": (lo, self.flat_param[offset + lo:offset + hi]),
+                                                           "master": (lo, piece)}, owned=(lo, hi), optim=self.optim)
+            for p, offset, lo, hi, piece in self.pieces]
 
 
 # ----------------------------------------------------------------------------- training

@@ -60,8 +60,8 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, bucket_cap_mb=25.0, grad_clip=0.0,
                  **defaults):
-        params = list({id(p): p for p in params}.values())  # a tied weight is one parameter
-        self.params = [p for p in params if p.requires_grad]
+        groups, frozen = common.param_groups(params)  # the caller's groups, each parameter once
+        self.params = [p for g in groups for p in g["params"]]
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.grad_clip = grad_clip
         # The buckets of 03, padded so each splits into N equal shards; but the collective is a
@@ -73,7 +73,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                                           grads_as_views=False, pad_to=self.world_size,
                                           on_done=self._keep_my_shard, max_in_flight=2)
         buckets = self.grad_buckets.buckets
-        self.flat_params, self.param_shards, self.master_shards = [], [], []
+        self.flat_params, self.param_shards, self.master_shards, self.pieces = [], [], [], []
         self.grad_shards = [None] * len(buckets)  # my slice of each bucket's gradient, kept
         self.grad_shards_in_flight = {}            # bucket index -> reduce-scatter output
         with torch.no_grad():
@@ -97,11 +97,14 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                 # initial weights (as in 04); in fp32 mode the shard is its own master.
                 self.master_shards.append(param_shard if bucket.dtype == torch.float32 else
                                           common.master_shard(bucket.params, start, shard_numel))
-            for p in params:
-                if not p.requires_grad:  # frozen, but it must still be the same on every rank
-                    dist.broadcast(p.data, src=0)
-        # A real torch.optim optimizer over my shards: Adam moments exist for them only.
-        self.optim = optimizer_class(self.master_shards, **defaults)
+                # what the optimizer steps: one view of my master shard per parameter, as in 04
+                self.pieces.append(common.shard_pieces(bucket.params, start, self.master_shards[-1]))
+            for p in frozen:  # not trained, but it must still be the same on every rank
+                dist.broadcast(p.data, src=0)
+        # A real torch.optim optimizer over my shards (Adam moments exist for them only), in the
+        # caller's param groups.
+        all_pieces = [piece for pieces in self.pieces for piece in pieces]
+        self.optim = optimizer_class(common.piece_groups(groups, all_pieces), **defaults)
         super().__init__(self.master_shards, defaults)
         self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
         # Fires during backward once p.grad is complete (a tied weight's: both uses summed).
@@ -158,17 +161,21 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         # 1) the reduce-scatters ran during backward: my gradient shards are ready.
 
         # 2) AdamW on my shard of every bucket, in fp32 (bf16 gradients are cast up first)
-        for master_shard, grad_shard in zip(self.master_shards, self.grad_shards):
-            master_shard.grad = grad_shard.float()
+        for pieces, grad_shard, param_shard in zip(self.pieces, self.grad_shards, self.param_shards):
+            grad, start = grad_shard.float(), self.rank * param_shard.numel()
+            for p, offset, lo, hi, piece in pieces:
+                piece.grad = grad[offset + lo - start:offset + hi - start]
+        every_piece = [piece for pieces in self.pieces for *_, piece in pieces]
         if self.grad_clip > 0:
-            self.clip_grad_norm_([m.grad for m in self.master_shards])
+            self.clip_grad_norm_([piece.grad for piece in every_piece])
         self.optim.step()
+        for piece in every_piece:
+            piece.grad = None  # gradient shards live only until the step
 
         # 3) per bucket: cast my updated shard into its flat buffer (the same tensor in fp32
         # mode) and all-gather every rank's, in place as in 04; all buckets at once, then wait.
         works = []
         for flat_param, param_shard, master_shard in zip(self.flat_params, self.param_shards, self.master_shards):
-            master_shard.grad = None  # gradient shards live only until the step
             param_shard.copy_(master_shard)
             works.append(dist.all_gather_into_tensor(flat_param, param_shard, async_op=True))
         for work in works:
@@ -193,14 +200,16 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         self.optim.load_state_dict(state_dict)
 
     def checkpoint_shards(self, names):
-        """For checkpoint.py: per bucket as in 04, the layout and what I hold of it."""
+        """For checkpoint.py, per bucket as in 04: the flat buffer (loaded whole, written by
+        none), and per parameter the part of it in my shard, with its master and state."""
         shards = []
-        for bucket, flat_param, param_shard, master_shard in zip(
-                self.grad_buckets.buckets, self.flat_params, self.param_shards, self.master_shards):
-            start, end = self.rank * param_shard.numel(), (self.rank + 1) * param_shard.numel()
+        for bucket, flat_param, pieces in zip(self.grad_buckets.buckets, self.flat_params, self.pieces):
             shards.append(checkpoint.FlatShard([(names[p], p.numel()) for p in bucket.params],
-                                               {"param": (0, flat_param), "master": (start, master_shard)},
-                                               owned=(start, end), optim=self.optim))
+                                               {"param": (0, flat_param)}, owned=(0, 0)))
+            shards += [checkpoint.FlatShard([(names[p], p.numel())],
+                                            {"param": (lo, flat_param[offset + lo:offset + hi]), "master": (lo, piece)},
+                                            owned=(lo, hi), optim=self.optim)
+                       for p, offset, lo, hi, piece in pieces]
         return shards
 
 

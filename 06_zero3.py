@@ -73,7 +73,7 @@ class Unit:
         dtype = torch.float32 if params[0].is_meta else self.dtype
         self.flat_param = torch.zeros(self.numel_padded, dtype=dtype, device=device)  # padding: 0
         self.sources = params  # where a materialised module's fp32 initial weights may be
-        self.params, self.offsets, offset = [], [], 0
+        self.params, self.offsets, self.replaced, offset = [], [], {}, 0
         for old in params:
             # NOTE (the version-counter trap). Autograd saves the weights a backward needs and
             # stamps each with its tensor's version counter, which every in-place write bumps. We
@@ -93,6 +93,7 @@ class Unit:
             for module_, attr in slots[old]:  # everywhere it was: a tied weight is in two places
                 setattr(module_, attr, p)
             self.params.append(p)
+            self.replaced[old] = p
             self.offsets.append(offset)
             offset += old.numel()
         self.trainable = [p for p in self.params if p.requires_grad]
@@ -118,6 +119,8 @@ class Unit:
             master = self.param_shard[:k]
         self.master_shard = master if k else None
         self.sources = None
+        # what the optimizer steps: one view of my master shard per parameter, as in 04
+        self.pieces = common.shard_pieces(self.trainable, start, master) if k else []
         self.grad_shard = self.flat_grad = self.gather_work = None
         self.pending, self.reduced = len(self.trainable), False  # gradients still to come
         self.flat_param.untyped_storage().resize_(0)  # from now on it exists only while gathered
@@ -133,6 +136,8 @@ class ZeRO3:
     param_init_fn    param_init_fn(submodule, prefix) initialises one unit of a meta module in
                      place once its memory exists; prefix is its name ("" for the root)
     grad_clip        global-norm gradient clipping across all shards; 0 turns it off
+    param_groups     [{"params": [module's parameters], options}]: the optimizer's groups, as
+                     torch.optim takes them (e.g. weight decay for some); default: one group
     prefetch         issue the next unit's all-gather while the current one computes
     device           where a meta module is materialised (default: where its parameters are)
     **defaults       the optimizer's own arguments (lr, betas, ...)
@@ -145,7 +150,7 @@ class ZeRO3:
     fill_nan_before_gather = False  # tests: a byte an all-gather fails to write then shows as NaN
 
     def __init__(self, module, optimizer_class=torch.optim.AdamW, units=(), param_init_fn=None,
-                 grad_clip=0.0, prefetch=True, device=None, **defaults):
+                 grad_clip=0.0, prefetch=True, device=None, param_groups=None, **defaults):
         self.module, self.grad_clip, self.prefetch = module, grad_clip, prefetch
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         slots = {}  # parameter -> every (module, attribute name) holding it
@@ -168,7 +173,12 @@ class ZeRO3:
             unit.keep_my_shard()  # and free the full unit before materialising the next one
             self.units.append(unit)
         self.grads_in_flight = []  # (unit, work, grad_shard): reduce-scatters not yet waited for
-        self.optim = optimizer_class([u.master_shard for u in self.units if u.master_shard is not None],
+        # A real torch.optim optimizer over my shards, in the caller's groups, of the new
+        # parameters that replaced theirs (Unit), stepping one piece of my shard per parameter.
+        replaced = {old: new for u in self.units for old, new in u.replaced.items()}
+        groups, _ = common.param_groups(param_groups or [{"params": list(replaced)}])
+        groups = [{**g, "params": [replaced[p] for p in g["params"]]} for g in groups]
+        self.optim = optimizer_class(common.piece_groups(groups, [x for u in self.units for x in u.pieces]),
                                      **defaults)
         for unit in self.units:
             hook = functools.partial
@@ -302,14 +312,18 @@ class ZeRO3:
         # 6) AdamW on my shards, in fp32 (bf16 gradients are cast up first, as 01-05 do)
         units = [u for u in self.units if u.master_shard is not None]
         for u in units:
-            grad = u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.param_shard)
-            u.master_shard.grad = grad[:u.master_shard.numel()].float()
+            grad = (u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.param_shard)).float()
+            start = self.rank * u.shard_numel
+            for p, offset, lo, hi, piece in u.pieces:
+                piece.grad = grad[offset + lo - start:offset + hi - start]
+        pieces = [piece for u in units for *_, piece in u.pieces]
         if self.grad_clip > 0:
-            self.clip_grad_norm_([u.master_shard.grad for u in units])
+            self.clip_grad_norm_([piece.grad for piece in pieces])
         self.optim.step()
         for u in units:  # round into my bf16 shard (in fp32 mode the same memory: a no-op)
             u.param_shard[:u.master_shard.numel()].copy_(u.master_shard)
-            u.master_shard.grad = None
+        for piece in pieces:
+            piece.grad = None
         # No all-gather here, unlike 04 and 05: the next forward gathers each unit when it runs.
 
     def clip_grad_norm_(self, grads):
@@ -326,16 +340,19 @@ class ZeRO3:
             u.grad_shard = None
 
     def checkpoint_shards(self, names):
-        """For checkpoint.py: per unit, its layout and my shard of it (the master shard is the
-        trainable part of it, a prefix: trainable parameters come first)."""
+        """For checkpoint.py, per unit: my shard (loaded whole; I write its frozen part, after
+        the trainable prefix), and per trainable parameter its part of my shard, with its
+        master and the optimizer's state for it."""
         shards = []
         for u in self.units:
-            start = self.rank * u.shard_numel
-            held = {"param": (start, u.param_shard)}
-            if u.master_shard is not None:
-                held["master"] = (start, u.master_shard)
-            shards.append(checkpoint.FlatShard([(names[p], p.numel()) for p in u.params], held,
-                                               owned=(start, start + u.shard_numel), optim=self.optim))
+            start, k = self.rank * u.shard_numel, 0 if u.master_shard is None else u.master_shard.numel()
+            shards.append(checkpoint.FlatShard([(names[p], p.numel()) for p in u.params],
+                                               {"param": (start, u.param_shard)},
+                                               owned=(start + k, start + u.shard_numel)))
+            shards += [checkpoint.FlatShard([(names[p], p.numel())],
+                                            {"param": (lo, u.param_shard[offset + lo - start:offset + hi - start]),
+                                             "master": (lo, piece)}, owned=(lo, hi), optim=self.optim)
+                       for p, offset, lo, hi, piece in u.pieces]
         return shards
 
     @torch.no_grad()

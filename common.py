@@ -400,6 +400,48 @@ def master_shard(params, start, numel):
     return out
 
 
+def param_groups(params):
+    """torch.optim's two forms, an iterable of parameters or of {"params": [...], options}
+    dicts, as (groups: a list of dicts of trainable parameters, frozen: the others); each
+    parameter once (a tied weight is one)."""
+    params = list(params)
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    seen, out, frozen = set(), [], []
+    for g in groups:
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        ps = [p for p in ps if id(p) not in seen and not seen.add(id(p))]
+        out.append({**g, "params": [p for p in ps if p.requires_grad]})
+        frozen += [p for p in ps if not p.requires_grad]
+    return out, frozen
+
+
+def shard_pieces(params, start, master):
+    """What the optimizer steps in a flat shard: per parameter of `params` (laid back to back
+    from flat offset 0) the elements lo .. hi it has in my shard (flat start ..
+    start + master.numel()), as [(p, offset, lo, hi, piece)], piece being their view in
+    `master`. One tensor per parameter, as FSDP2's optimizer sees, so the caller's param groups
+    (weight decay or not) and a parameter without a gradient (skipped) work as in one process."""
+    out, offset = [], 0
+    for p in params:
+        lo, hi = max(start - offset, 0), min(start + master.numel() - offset, p.numel())
+        if lo < hi:
+            out.append((p, offset, lo, hi, master[offset + lo - start:offset + hi - start]))
+        offset += p.numel()
+    return out
+
+
+def piece_groups(groups, pieces):
+    """The caller's param groups, their options kept, over the pieces of their parameters (a
+    rank holding no piece at all gets one empty tensor: torch.optim refuses an empty list)."""
+    of = {}
+    for p, *_, piece in pieces:
+        of.setdefault(p, []).append(piece)
+    out = [{**g, "params": [x for p in g["params"] for x in of.get(p, [])]} for g in groups]
+    if not pieces:
+        out[0]["params"] = [torch.zeros(0, requires_grad=True)]
+    return out
+
+
 def master_weights(p):
     """The fp32 values to start p's master weights from, flat: the fp32 initial weights if
     build_model kept them (handed over once: the parameter lets go of them), else p's own."""

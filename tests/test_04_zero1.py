@@ -4,10 +4,14 @@ import math
 
 import pytest
 
+import common
+
 from harness import gpt_train, once, run_lesson, spawn
 from lessons import build
 from toy import toy_reference, toy_train
-from zero_parity import ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, ref, toy_sgd_reference
+from model import GPT
+from zero_parity import (ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, optimizer_bytes, ref,
+                         toy_sgd_reference)
 
 LESSON = "04_zero1"
 CLIP = ARGV + ["--grad-clip", "0.05"]
@@ -74,17 +78,18 @@ def test_memory_at_rest_bf16_is_zero1_theory_plus_padding(world):
     theory, n = report["memory"]["theory"], padded(world)
     assert report["n_params"] == PSI
     assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * PSI, 2 * PSI, 12 * PSI / world)
-    for m in report["memory"]["per_rank"]:
+    numels = [p.numel() for p in {id(p): p for p in GPT(common.model_config(common.parse_args(BF16))).parameters()}.values()]
+    for rank, m in enumerate(report["memory"]["per_rank"]):
         # exact bytes: one padded bf16 flat buffer each for parameters and gradients (2 Psi
         # each); for one shard of it, fp32 master weights and two fp32 Adam moments (12 Psi / N),
-        # plus Adam's step count (one fp32 scalar); nothing else held
+        # plus Adam's step counts (zero_parity.optimizer_bytes); nothing else held
         assert m["params"] == 2 * n
         assert m["grads"] == 2 * n
-        assert m["optimizer"] == 12 * n // world + 4
+        assert m["optimizer"] == optimizer_bytes(numels, world, rank, master_copy=True)
         assert m["other"] == 0
-        # against the paper: above it by the padding (fewer than N elements) and the step count
+        # against the paper: within the padding (fewer than N elements) and a step count per tensor
         for key in ("params", "grads", "optimizer"):
-            assert 0 <= m[key] - theory[key] <= 12 * (world - 1) + 4, key
+            assert abs(m[key] - theory[key]) <= 12 * (world - 1) + 4 * len(numels), key
 
 
 @pytest.mark.parametrize("world", [2, 4])

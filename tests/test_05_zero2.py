@@ -12,7 +12,8 @@ from harness import gpt_train, load_lesson, once, run_lesson, spawn
 from lessons import build
 from model import GPT
 from toy import make_toy, toy_reference, toy_train
-from zero_parity import ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, ref, toy_sgd_reference
+from zero_parity import (ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, optimizer_bytes, ref,
+                         toy_sgd_reference)
 
 LESSON = "05_zero2"
 MIB = 2 ** 20
@@ -39,6 +40,15 @@ def layout(argv, world):
     buckets = manager(model.parameters(), args.bucket_mb, launch=None, grads_as_views=False,
                       pad_to=world).buckets
     return sum(b.numel_padded for b in buckets), len(buckets)
+
+
+def bucket_numels(argv, world):
+    """Each bucket's parameter sizes, in its layout."""
+    args = common.parse_args(argv)
+    model = GPT(common.model_config(args), seed=None).to(common.working_dtype(args))
+    manager = load_lesson("bucket").BucketManager
+    return [[p.numel() for p in b.params] for b in manager(model.parameters(), args.bucket_mb, launch=None,
+                                                          grads_as_views=False, pad_to=world).buckets]
 
 
 # ----------------------------------------------------------------------------- in the ranks
@@ -121,18 +131,21 @@ def test_memory_at_rest_bf16_is_zero2_theory_plus_padding(world):
     n, n_buckets = layout(BF16, world)
     assert report["n_params"] == PSI
     assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * PSI, 2 * PSI / world, 12 * PSI / world)
-    for m in report["memory"]["per_rank"]:
+    buckets = bucket_numels(BF16, world)
+    for rank, m in enumerate(report["memory"]["per_rank"]):
         # exact bytes: one padded bf16 flat buffer per bucket for the parameters (2 Psi); my
         # slice of each bucket's gradient (2 Psi / N: no full-size bucket is left over); fp32
         # master weights and two Adam moments for my slices (12 Psi / N), plus Adam's step
-        # count, one fp32 scalar per slice; nothing else held
+        # counts (zero_parity.optimizer_bytes); nothing else held
         assert m["params"] == 2 * n
         assert m["grads"] == 2 * n // world
-        assert m["optimizer"] == 12 * n // world + 4 * n_buckets
+        assert m["optimizer"] == sum(optimizer_bytes(b, world, rank, master_copy=True) for b in buckets)
         assert m["other"] == 0
-        # against the paper: above it by the padding (fewer than N elements per bucket) only
+        # against the paper: within the padding (fewer than N elements per bucket) and a step
+        # count per tensor
+        n_tensors = sum(len(b) for b in buckets)
         for key in ("params", "grads", "optimizer"):
-            assert 0 <= m[key] - theory[key] <= n_buckets * (12 * (world - 1) + 4), key
+            assert abs(m[key] - theory[key]) <= n_buckets * 12 * (world - 1) + 4 * n_tensors, key
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -13,6 +13,7 @@ from harness import gpt_train, load_lesson, reference, run_lesson, spawn
 from lessons import build
 from model import GPT
 from toy import make_toy, toy_batch, toy_reference, toy_train
+from zero_parity import held_pieces
 
 LESSON = "06_zero3"
 # 3 blocks: with 2, "the root and two blocks gathered" (prefetch) would be the whole model, and
@@ -152,6 +153,14 @@ def test_bf16_close_to_single_process_bf16(world):
 
 
 # ----------------------------------------------------------------------------- memory
+def unit_params(argv):
+    """Each unit's parameter sizes in its layout (the root first: GPT's own parameters)."""
+    gpt = GPT(common.model_config(common.parse_args(argv)), seed=None)
+    in_blocks = {p for b in gpt.blocks for p in b.parameters()}
+    root = [p.numel() for p in {id(p): p for p in gpt.parameters()}.values() if p not in in_blocks]
+    return [root] + [[p.numel() for p in b.parameters()] for b in gpt.blocks]
+
+
 def units(argv):
     """Elements per unit (root first, then each block) and the largest single parameter."""
     gpt = GPT(common.model_config(common.parse_args(argv)), seed=None)
@@ -176,10 +185,12 @@ def test_memory_at_rest_and_peak_params(world, key):
         assert mem["grads"] == shard_bytes
         # AdamW keeps 2 fp32 moments (+ an fp32 master copy in bf16) of my *trainable* elements:
         # padding gets no state, so the last rank, whose shard ends in padding, holds less
-        # (plus AdamW's step counter: one fp32 scalar per tensor it updates, one per unit)
+        # (plus AdamW's step count: one fp32 scalar per tensor it updates, one per parameter
+        # that has elements in my shard: common.shard_pieces)
         mine = [min(max(n - rank * padded(n, world) // world, 0), padded(n, world) // world)
                 for n in numels]
-        assert mem["optimizer"] == sum(mine) * (8 if b == 4 else 12) + 4 * sum(k > 0 for k in mine)
+        pieces = sum(held_pieces(unit, world, rank)[0] for unit in unit_params(ARGV))
+        assert mem["optimizer"] == sum(mine) * (8 if b == 4 else 12) + 4 * pieces
         assert mem["other"] == 0
         # During the step: my shards, the root (its layers run first and last in forward, so it
         # stays gathered through each pass), the unit computing, and with prefetch the next one.

@@ -194,20 +194,21 @@ def first_step_gradients(lesson, argv):
     if lesson == "05_zero2":
         model = common.build_model(args, env)
         opt = load_lesson(lesson).ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, **common.adamw_kwargs(args))
-        pieces = [(b.params, [b.offsets[p][0] for p in b.params], m, b.numel_padded)
-                  for b, m in zip(opt.grad_buckets.buckets, opt.master_shards)]
+        pieces = [(b.params, [b.offsets[p][0] for p in b.params], ps, b.numel_padded)
+                  for b, ps in zip(opt.grad_buckets.buckets, opt.pieces)]
         inner, names = opt.optim, model
     else:
         z = load_lesson(lesson).build_model(args, env)
-        pieces = [(u.params, u.offsets, u.master_shard, u.numel_padded) for u in z.units]
+        pieces = [(u.params, u.offsets, u.pieces, u.numel_padded) for u in z.units]
         model, opt, inner, names = z, z, z.optim, z.module
     grads = {}
 
     def capture():  # instead of the first optimizer step
-        for params, offsets, master, numel_padded in pieces:
+        for params, offsets, held, numel_padded in pieces:
             shard = torch.zeros(numel_padded // env.world_size)
-            if master is not None:
-                shard[:master.numel()] = master.grad
+            start = env.rank * shard.numel()
+            for p, offset, lo, hi, piece in held:  # what the optimizer steps: common.shard_pieces
+                shard[offset + lo - start:offset + hi - start] = piece.grad
             flat = torch.empty(numel_padded)
             dist.all_gather_into_tensor(flat, shard)
             for p, start in zip(params, offsets):

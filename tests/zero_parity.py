@@ -70,6 +70,30 @@ def initial_params(argv):
     return {n: p.detach().float() for n, p in model.named_parameters()}
 
 
+def optimizer_bytes(numels, world, rank, master_copy):
+    """The optimizer state `rank` holds for one flat buffer of parameters of these sizes (back
+    to back, padded to a multiple of N): its shard's fp32 master weights if they are a copy
+    (bf16; in fp32 the shard is its own master), padding included; AdamW's two fp32 moments
+    for each parameter's elements in the shard (common.shard_pieces: padding has none); and
+    AdamW's step count, one fp32 scalar per such piece."""
+    pieces, elements = held_pieces(numels, world, rank)
+    return (4 * -(-sum(numels) // world) if master_copy else 0) + 8 * elements + 4 * pieces
+
+
+def held_pieces(numels, world, rank):
+    """(how many parameters have elements in `rank`'s shard of the padded flat buffer, how many
+    elements they have there)."""
+    shard = -(-sum(numels) // world)
+    start, end = rank * shard, (rank + 1) * shard
+    pieces, elements, offset = 0, 0, 0
+    for n in numels:
+        held = min(end, offset + n) - max(start, offset)
+        if held > 0:
+            pieces, elements = pieces + 1, elements + held
+        offset += n
+    return pieces, elements
+
+
 def key_bias_apart(params):
     """Each attention qkv bias as two entries: its query and value elements, its key elements."""
     out = {}
