@@ -78,7 +78,9 @@ def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
     model = AsyncAllReduceDP(common.build_model(args, env))
-    optimizer = common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
+    # weight decay on matrices and embeddings only (common.decay_groups, as nanoGPT)
+    optimizer = common.MixedPrecisionAdamW(common.decay_groups(model, args.weight_decay), args.grad_clip,
+                                           **common.adamw_kwargs(args))
     run = measure.Run(args, env, "async_allreduce", model.module, optimizer, holders=[model])
     ckpt = checkpoint.Checkpointer(args, env, "async_allreduce", model.module, optimizer)  # --checkpoint-dir
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at

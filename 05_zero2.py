@@ -218,8 +218,9 @@ def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
     model = common.build_model(args, env)
-    optimizer = ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=args.bucket_mb,
-                               grad_clip=args.grad_clip, **common.adamw_kwargs(args))
+    optimizer = ZeRO2Optimizer(common.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
+                               torch.optim.AdamW, bucket_cap_mb=args.bucket_mb, grad_clip=args.grad_clip,
+                               **common.adamw_kwargs(args))
     run = measure.Run(args, env, "zero2", model, optimizer)
     ckpt = checkpoint.Checkpointer(args, env, "zero2", model, optimizer)  # --checkpoint-dir
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at

@@ -384,7 +384,7 @@ def build_model(args, env):
 
     return ZeRO3(gpt, torch.optim.AdamW, units=list(gpt.blocks), param_init_fn=init_unit,
                  grad_clip=args.grad_clip, prefetch=bool(args.prefetch), device=env.device,
-                 **common.adamw_kwargs(args))
+                 param_groups=common.decay_groups(gpt, args.weight_decay), **common.adamw_kwargs(args))
 
 
 def main(argv=None):

@@ -58,7 +58,8 @@ class BucketManager:
     bucket_cap_mb   a bucket is closed before it would exceed this many MiB of gradients
     launch          launch(bucket) -> async work handle: the collective, chosen by the user
     grads_as_views  True (03): each `p.grad` IS a view of its bucket's buffer, allocated once,
-                    so autograd accumulates straight into the buffer, no copies.
+                    so autograd accumulates straight into the buffer, no copies (from a
+                    parameter's first gradient on, as DDP's gradient_as_bucket_view).
                     False (05, 06): the buffer exists only while the bucket is in flight;
                     `ready(p)` copies p.grad into it and drops p.grad.
     pad_to          pad every bucket to a multiple of this (the world size for reduce-scatter)
@@ -89,11 +90,9 @@ class BucketManager:
         if group:
             self.buckets.append(Bucket(len(self.buckets), group, pad_to))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        if grads_as_views:
+        if grads_as_views:  # each p.grad becomes its view at p's first gradient (ready, _adopt)
             for b in self.buckets:
                 b.allocate()
-                for p in b.params:
-                    p.grad = b.view(p)  # from now on autograd accumulates into the bucket
         self.in_flight = []  # (bucket, work) in launch order
         self.next_to_launch = 0
 
@@ -121,16 +120,18 @@ class BucketManager:
 
     @staticmethod
     def _adopt(p, bucket):
-        """Make p.grad its bucket view again, holding p's gradient. zero_grad(set_to_none=True),
-        PyTorch's default, drops p.grad, and autograd then makes a fresh tensor: copy it into the
-        view and point p.grad back at it, as DDP does with gradient_as_bucket_view. No gradient
-        at all this step (p unused): zeros, not last step's values."""
+        """Make p.grad its bucket view, holding p's gradient. Autograd makes a fresh tensor for a
+        parameter's first gradient, and again after zero_grad(set_to_none=True), PyTorch's
+        default: copy it into the view and point p.grad at it, as DDP does with
+        gradient_as_bucket_view; from then on autograd accumulates into the bucket. A parameter
+        with no gradient this step sends zeros, not last step's values, and keeps p.grad None,
+        so the optimizer leaves it alone as in single-process training (DDP does the same)."""
         view = bucket.view(p)
         if p.grad is None:
             view.zero_()
         elif p.grad._base is not bucket.buffer:  # (a view's _base: the tensor it views)
             view.copy_(p.grad)
-        p.grad = view
+            p.grad = view
 
     def _launch(self, bucket):
         while self.max_in_flight is not None and len(self.in_flight) >= self.max_in_flight:

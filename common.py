@@ -52,6 +52,8 @@ def build_parser(description=""):
     p.add_argument("--n-head", type=int, default=4)
     # optimisation
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW's decoupled weight decay, on matrices and embeddings, not on biases and norms")
     p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
                    help="cosine: from --lr down to --lr/10 at the last step, after the warm-up")
     p.add_argument("--warmup-steps", type=int, default=0, metavar="K",
@@ -96,6 +98,8 @@ def parse_args(argv=None, description=""):
         fail(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     if args.lr <= 0 or args.bucket_mb <= 0 or args.grad_clip < 0 or args.timeout <= 0:
         fail("--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative")
+    if args.weight_decay < 0:
+        fail(f"--weight-decay must be 0 or positive, got {args.weight_decay}")
     if args.warmup_steps < 0:
         fail(f"--warmup-steps must be 0 or positive, got {args.warmup_steps}")
     if args.save_every < 0:
@@ -558,9 +562,18 @@ def set_learning_rate(optimizer, args, step):
         group["lr"] = learning_rate(args, step)
 
 
+def decay_groups(module, weight_decay):
+    """nanoGPT's two param groups: weight decay on every parameter of two or more dimensions
+    (matrices, embeddings), none on biases and norms (decaying a gain towards 0 or a bias has no
+    reason). Over the module's parameters, each once, frozen ones too (04 and 05 make them the
+    same on every rank); torch.optim takes the list as it is."""
+    params = list({id(p): p for p in module.parameters()}.values())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def adamw_kwargs(args):
-    # weight_decay=0: a parameter that gets no gradient then gets no update whether its gradient
-    # is None (single process) or zeros (a bucket or a flat shard), so every lesson can match.
+    # weight decay: per param group (decay_groups), 0 for a parameter outside them.
     # foreach=True: one multi-tensor kernel per Adam operation instead of a Python loop over the
     # tensors, which torch picks on CPU by default: bitwise the same results, a little faster on
     # models of many small tensors (docs/profiling.md).
@@ -576,12 +589,15 @@ class MixedPrecisionAdamW:
     """
 
     def __init__(self, params, grad_clip=0.0, **adamw_kwargs):
-        self.params = [p for p in params if p.requires_grad]
+        groups, _ = param_groups(params)  # parameters, or torch.optim's param groups
+        self.params = [p for g in groups for p in g["params"]]
         self.grad_clip = grad_clip
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         self.master = ([master_weights(p).view_as(p).clone() for p in self.params] if self.mixed
                        else self.params)
-        self.optim = torch.optim.AdamW(self.master, **adamw_kwargs)
+        master_of = dict(zip(self.params, self.master))
+        self.optim = torch.optim.AdamW([{**g, "params": [master_of[p] for p in g["params"]]} for g in groups],
+                                       **adamw_kwargs)
 
     @property
     def param_groups(self):  # the AdamW's, for learning-rate schedules

@@ -40,17 +40,19 @@ def build(impl, model, args, env):
     """Wrap `model` as PyTorch does it; returns (module to call, optimizer with step/zero_grad)."""
     if impl == "ddp":
         wrapped = DDP(model, bucket_cap_mb=args.bucket_mb)
-        return wrapped, common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
+        return wrapped, common.MixedPrecisionAdamW(common.decay_groups(model, args.weight_decay), args.grad_clip,
+                                                   **common.adamw_kwargs(args))
     if impl == "zero_redundancy":
         wrapped = DDP(model, bucket_cap_mb=args.bucket_mb)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **common.adamw_kwargs(args))
+        opt = ZeroRedundancyOptimizer(common.decay_groups(model, args.weight_decay), torch.optim.AdamW,
+                                      **common.adamw_kwargs(args))
         return wrapped, _ClippedStep(opt, list(model.parameters()), args.grad_clip)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     reshard = impl == "fsdp2"
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(model.parameters(), **common.adamw_kwargs(args))
+    opt = torch.optim.AdamW(common.decay_groups(model, args.weight_decay), **common.adamw_kwargs(args))
     return model, _ClippedStep(opt, list(model.parameters()), args.grad_clip)
 
 

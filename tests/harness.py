@@ -181,7 +181,8 @@ def reference(argv, steps=None):
     args = common.parse_args(argv)
     # bf16: fp32 master weights from the fp32 initial weights, as every lesson (common.build_model)
     model = common.build_model(args, common.Dist(0, 1, torch.device("cpu"), "gloo"))
-    opt = common.MixedPrecisionAdamW(model.parameters(), args.grad_clip, **common.adamw_kwargs(args))
+    opt = common.MixedPrecisionAdamW(common.decay_groups(model, args.weight_decay), args.grad_clip,
+                                     **common.adamw_kwargs(args))
     losses = []
     for step in range(steps or args.steps):
         tokens = common.global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
@@ -204,7 +205,8 @@ def gpt_train(lesson, argv):
     rank, world = dist.get_rank(), dist.get_world_size()
     env = common.Dist(rank, world, torch.device("cpu"), "gloo")
     model = common.build_model(args, env)
-    trainer = build(lesson, model, grad_clip=args.grad_clip, lr=args.lr, bucket_mb=args.bucket_mb)
+    trainer = build(lesson, model, grad_clip=args.grad_clip, lr=args.lr, bucket_mb=args.bucket_mb,
+                    weight_decay=args.weight_decay)
     losses = []
     for step in range(args.steps):
         batches = [common.get_batch(args, env, step, m) for m in range(args.grad_accum)]

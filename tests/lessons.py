@@ -23,9 +23,9 @@ def _named_full(module):
 class _Replicated:
     """01-03 and PyTorch's DDP: every rank holds the whole model and the whole optimizer."""
 
-    def __init__(self, wrapper, module, grad_clip, lr, sync):
+    def __init__(self, wrapper, module, grad_clip, lr, sync, weight_decay=0.0):
         self.wrapper, self.module, self.sync = wrapper, module, sync
-        self.opt = common.MixedPrecisionAdamW(module.parameters(), grad_clip, **adamw(lr))
+        self.opt = common.MixedPrecisionAdamW(common.decay_groups(module, weight_decay), grad_clip, **adamw(lr))
 
     def train_step(self, micro_batches):
         total = 0.0
@@ -53,41 +53,44 @@ def adamw(lr):
     return dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
 
-def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, **kw):
-    """A trainer for `lesson` ("01".."06", or "ddp") around `module`, inside a process group."""
+def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0.0, **kw):
+    """A trainer for `lesson` ("01".."06", or "ddp") around `module`, inside a process group.
+    weight_decay: AdamW's, in common.decay_groups (matrices and embeddings only), as main()."""
+    wd = weight_decay
     if lesson == "ddp":
         ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_mb,
                                                   find_unused_parameters=kw.get("find_unused", False))
-        return _Replicated(ddp, module, grad_clip, lr, sync=None)
+        return _Replicated(ddp, module, grad_clip, lr, sync=None, weight_decay=wd)
     if lesson == "01":
         dp = load_lesson("01_vanilla_dp").VanillaDP(module)  # averages at the end of backward, as DDP
-        return _Replicated(dp, module, grad_clip, lr, sync=None)
+        return _Replicated(dp, module, grad_clip, lr, sync=None, weight_decay=wd)
     if lesson == "02":
         dp = load_lesson("02_async_allreduce").AsyncAllReduceDP(module)
-        return _Replicated(dp, module, grad_clip, lr, sync=None)
+        return _Replicated(dp, module, grad_clip, lr, sync=None, weight_decay=wd)
     if lesson == "03":
         dp = load_lesson("03_buckets").BucketedDP(module, bucket_cap_mb=bucket_mb)
-        return _Replicated(dp, module, grad_clip, lr, sync=None)
+        return _Replicated(dp, module, grad_clip, lr, sync=None, weight_decay=wd)
     if lesson == "06":
         z = load_lesson("06_zero3").ZeRO3(
             module, kw.get("optimizer_class", torch.optim.AdamW), units=sharding_units(module),
-            grad_clip=grad_clip, prefetch=kw.get("prefetch", True), **kw.get("optimizer_kwargs", adamw(lr)))
+            grad_clip=grad_clip, prefetch=kw.get("prefetch", True), param_groups=common.decay_groups(module, wd),
+            **kw.get("optimizer_kwargs", adamw(lr)))
         return _FullySharded(z, step=lambda: (z.step(), z.zero_grad()), full_parameters=z.full_parameters)
     if lesson == "fsdp2":
-        return _fsdp2(module, grad_clip, lr)
+        return _fsdp2(module, grad_clip, lr, wd)
     if lesson in ("04", "05"):  # kw optimizer_class / optimizer_kwargs: e.g. SGD, which sees gradient scale
         opt_class, opt_kwargs = kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs", adamw(lr))
         if lesson == "04":
-            opt = load_lesson("04_zero1").ZeRO1Optimizer(module.parameters(), opt_class, grad_clip=grad_clip,
+            opt = load_lesson("04_zero1").ZeRO1Optimizer(common.decay_groups(module, wd), opt_class, grad_clip=grad_clip,
                                                          **opt_kwargs)
             return _ShardedOptimizer(module, opt)
-        opt = load_lesson("05_zero2").ZeRO2Optimizer(module.parameters(), opt_class, bucket_cap_mb=bucket_mb,
+        opt = load_lesson("05_zero2").ZeRO2Optimizer(common.decay_groups(module, wd), opt_class, bucket_cap_mb=bucket_mb,
                                                      grad_clip=grad_clip, **opt_kwargs)
         return _ShardedOptimizer(module, opt)  # its reduce-scatters end inside backward
     if lesson == "zero_redundancy":
-        return _zero_redundancy(module, grad_clip, lr, bucket_mb, kw.get("find_unused", False))
+        return _zero_redundancy(module, grad_clip, lr, bucket_mb, kw.get("find_unused", False), wd)
     if lesson == "fsdp2_noreshard":
-        return _fsdp2_noreshard(module, grad_clip, lr)
+        return _fsdp2_noreshard(module, grad_clip, lr, wd)
     raise KeyError(f"no adapter for lesson {lesson!r}")
 
 
@@ -121,7 +124,7 @@ class _FullySharded:
         return total
 
 
-def _fsdp2(module, grad_clip, lr):
+def _fsdp2(module, grad_clip, lr, wd):
     """PyTorch's own ZeRO-3: fully_shard each unit, then the root, on an explicit CPU mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -129,7 +132,7 @@ def _fsdp2(module, grad_clip, lr):
     for unit in sharding_units(module):
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     fully_shard(module, mesh=mesh, reshard_after_forward=True)
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], **adamw(lr))
+    opt = torch.optim.AdamW(common.decay_groups(module, wd), **adamw(lr))
 
     def step():
         if grad_clip > 0:
@@ -180,22 +183,21 @@ def _clipper(module, grad_clip):
     return (lambda: torch.nn.utils.clip_grad_norm_(trainable, grad_clip)) if grad_clip > 0 else None
 
 
-def _zero_redundancy(module, grad_clip, lr, bucket_mb, find_unused):
+def _zero_redundancy(module, grad_clip, lr, bucket_mb, find_unused, wd):
     """PyTorch's ZeRO-1: DDP all-reduces the gradients, ZeroRedundancyOptimizer shards AdamW."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_mb, find_unused_parameters=find_unused)
-    opt = ZeroRedundancyOptimizer([p for p in module.parameters() if p.requires_grad],
-                                  optimizer_class=torch.optim.AdamW, **adamw(lr))
+    opt = ZeroRedundancyOptimizer(common.decay_groups(module, wd), optimizer_class=torch.optim.AdamW, **adamw(lr))
     return _ShardedOptimizer(ddp, opt, before_step=_clipper(module, grad_clip),  # every rank has the full gradient
                              sync=lambda last: contextlib.nullcontext() if last else ddp.no_sync())
 
 
-def _fsdp2_noreshard(module, grad_clip, lr):
+def _fsdp2_noreshard(module, grad_clip, lr, wd):
     """PyTorch's ZeRO-2: FSDP2 keeping the parameters gathered between forward and backward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), reshard_after_forward=False)
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], **adamw(lr))
+    opt = torch.optim.AdamW(common.decay_groups(module, wd), **adamw(lr))
     # clip_grad_norm_ over DTensor gradient shards all-reduces the norm across ranks
     return _ShardedOptimizer(module, opt, before_step=_clipper(module, grad_clip),
                              full_parameters=lambda: {n: p.full_tensor().detach().float().clone()

@@ -17,12 +17,12 @@ from zero_parity import (ARGV, PSI, SGD, TOL, bf16_close, close, identical, init
 
 LESSON = "05_zero2"
 MIB = 2 ** 20
-ARGV = ARGV + ["--bucket-mb", "0.02"]  # 7 buckets in fp32, 4 in bf16 (ZeRO-2's cap is in bytes)
+ARGV = ARGV + ["--bucket-mb", "0.02"]  # 8 buckets in fp32, 4 in bf16 (ZeRO-2's cap is in bytes)
 CLIP = ARGV + ["--grad-clip", "0.05"]
 ACCUM_CLIP = CLIP + ["--grad-accum", "2"]
 BF16 = ARGV + ["--precision", "bf16"]
 # For the gradient bytes alive during backward: 8 layers (Psi = 110,715) in buckets of at most
-# 5 KiB or one tensor (the largest, 4,356 elements, 8.5 KiB in bf16): 50 buckets.
+# 5 KiB or one tensor (the largest, 4,356 elements, 8.5 KiB in bf16): 36 buckets.
 DEEP = BF16 + ["--n-layer", "8", "--bucket-mb", repr(5 / 1024)]
 # The toy, in bucket order (reverse registration): hidden's two tensors fill bucket 0 to the
 # byte; the embedding (tied to the head), bigger than the cap, gets bucket 1; `unused` (never
@@ -37,8 +37,8 @@ def layout(argv, world):
     args = common.parse_args(argv)
     model = GPT(common.model_config(args), seed=None).to(common.working_dtype(args))
     manager = load_lesson("bucket").BucketManager  # the graded bucket.py (harness.LESSONS_DIR)
-    buckets = manager(model.parameters(), args.bucket_mb, launch=None, grads_as_views=False,
-                      pad_to=world).buckets
+    params = [p for g in common.decay_groups(model, 0.1) for p in g["params"]]  # main()'s groups, in order
+    buckets = manager(params, args.bucket_mb, launch=None, grads_as_views=False, pad_to=world).buckets
     return sum(b.numel_padded for b in buckets), len(buckets)
 
 
@@ -47,7 +47,8 @@ def bucket_numels(argv, world):
     args = common.parse_args(argv)
     model = GPT(common.model_config(args), seed=None).to(common.working_dtype(args))
     manager = load_lesson("bucket").BucketManager
-    return [[p.numel() for p in b.params] for b in manager(model.parameters(), args.bucket_mb, launch=None,
+    params = [p for g in common.decay_groups(model, 0.1) for p in g["params"]]  # main()'s groups, in order
+    return [[p.numel() for p in b.params] for b in manager(params, args.bucket_mb, launch=None,
                                                           grads_as_views=False, pad_to=world).buckets]
 
 

@@ -108,7 +108,8 @@ def test_padding_to_a_multiple_stays_zero():
     assert [(b.numel, b.numel_padded) for b in m.buckets] == [(7, 8), (5, 8)]
     assert [b.buffer.shape for b in m.buckets] == [(8,), (8,)]
     for p in ps:
-        p.grad.add_(1.0)  # what autograd does: accumulate into the view
+        p.grad = torch.ones(p.shape)  # a first gradient, from autograd ...
+        m.ready(p)                    # ... copied into its bucket (launching full ones)
     assert m.buckets[0].buffer.tolist() == [1] * 7 + [0]
     assert m.buckets[1].buffer.tolist() == [1] * 5 + [0] * 3
     assert m.buckets[1].nbytes() == 8 * 4
@@ -118,10 +119,12 @@ def test_grads_are_views_of_the_bucket_and_autograd_accumulates_into_it():
     lin = nn.Linear(3, 2)
     m = BucketManager(lin.parameters(), 25, Recorder().launch)
     buffer = m.buckets[0].buffer
-    weight_grad, bias_grad = lin.weight.grad, lin.bias.grad
     x = torch.randn(4, 3)
     lin(x).sum().backward()
-    lin(x).sum().backward()  # a second micro-step adds in place
+    for p in lin.parameters():
+        m.ready(p)  # the first gradient is copied in, and p.grad becomes its view
+    weight_grad, bias_grad = lin.weight.grad, lin.bias.grad
+    lin(x).sum().backward()  # a second micro-step adds in place, into the bucket
     assert lin.weight.grad is weight_grad and lin.bias.grad is bias_grad
     assert lin.weight.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
     # the layout: bias first (registered last), then the weight, back to back
@@ -139,8 +142,9 @@ def test_a_fresh_grad_is_copied_into_its_bucket_and_pointed_back_at_it():
     buffer.fill_(7.0)  # last step's gradients, stale
     ps[0].grad, ps[1].grad = torch.arange(3.0), None  # ps[1]: no gradient at all this step
     m.ready(ps[0])
-    m.finish()  # ps[1] never became ready: its bucket goes with zeros for it, not stale values
-    assert ps[0].grad._base is buffer and ps[1].grad._base is buffer
+    m.finish()  # ps[1] never became ready: its bucket goes with zeros for it, not stale values,
+    # and it keeps no gradient (an optimizer then skips it, as single-process training does)
+    assert ps[0].grad._base is buffer and ps[1].grad is None
     assert torch.equal(buffer, torch.tensor([0.0, 0.0, 0.0, 1.0, 2.0]))  # reverse order: ps[1] first
 
 
