@@ -41,6 +41,9 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
                       that they view from then on (frozen ones stay where they are)
     optimizer_class   any torch.optim optimizer (AdamW, Adam, SGD, ...), run over my shard only
     grad_clip         global-norm gradient clipping across all shards; 0 turns it off
+    find_unused_parameters  as DDP's: a parameter no rank's backward reached is left alone by the
+                      optimizer, as one process leaves it (common.UsedParameters; costs a small
+                      all-reduce per step)
     **defaults        the optimizer's own arguments (lr, betas, momentum, ...)
 
     `param_groups` are the inner optimizer's, so torch.optim.lr_scheduler schedules it;
@@ -50,7 +53,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     step, after the last micro-step's backward, then `zero_grad()`.
     """
 
-    def __init__(self, params, optimizer_class=torch.optim.AdamW, grad_clip=0.0, **defaults):
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, grad_clip=0.0, find_unused_parameters=False,
+                 **defaults):
         groups, frozen = common.param_groups(params)  # the caller's groups, each parameter once
         self.params = [p for g in groups for p in g["params"]]
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -99,6 +103,9 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self.pieces = common.shard_pieces(self.params, self.rank * shard_numel, self.master_shard)
         self.optim = optimizer_class(common.piece_groups(groups, self.pieces), **defaults)
         super().__init__([self.master_shard], defaults)
+        self.used = common.UsedParameters(self.params, device) if find_unused_parameters else None
+        for p in self.params if self.used else ():
+            p.register_post_accumulate_grad_hook(self.used.mark)
         self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
 
     @torch.no_grad()
@@ -122,7 +129,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # 2) AdamW on my shard, in fp32 (bf16 gradients are cast up first, as 01-03 do)
         self._gradients_into_pieces(grad_shard.float())
         if self.grad_clip > 0:
-            self.clip_grad_norm_([piece.grad for *_, piece in self.pieces])
+            self.clip_grad_norm_([piece.grad for *_, piece in self.pieces if piece.grad is not None])
         self.optim.step()
         for *_, piece in self.pieces:
             piece.grad = None  # the gradient shard lives only during the step
@@ -157,9 +164,9 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
             self.flat_grad.zero_()
 
     def _gradients_into_pieces(self, grad_shard):
-        start = self.rank * self.param_shard.numel()
+        start, unused = self.rank * self.param_shard.numel(), self.used.unused() if self.used else ()
         for p, offset, lo, hi, piece in self.pieces:
-            piece.grad = grad_shard[offset + lo - start:offset + hi - start]
+            piece.grad = None if p in unused else grad_shard[offset + lo - start:offset + hi - start]
 
     def _gradients_into_flat_buffer(self):
         for p, view in zip(self.params, self.grad_views):

@@ -50,6 +50,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     optimizer_class   any torch.optim optimizer (AdamW, Adam, SGD, ...), over my shard of every bucket
     bucket_cap_mb     the bucket size, as in 03 and DDP
     grad_clip         global-norm gradient clipping across all shards; 0 turns it off
+    find_unused_parameters  as DDP's and 04's: a parameter no rank's backward reached is left alone
     **defaults        the optimizer's own arguments (lr, betas, momentum, ...)
 
     `param_groups`, `state_dict()` and `load_state_dict()` are the inner optimizer's, as in 04
@@ -59,7 +60,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, bucket_cap_mb=25.0, grad_clip=0.0,
-                 **defaults):
+                 find_unused_parameters=False, **defaults):
         groups, frozen = common.param_groups(params)  # the caller's groups, each parameter once
         self.params = [p for g in groups for p in g["params"]]
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -107,11 +108,14 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         self.optim = optimizer_class(common.piece_groups(groups, all_pieces), **defaults)
         super().__init__(self.master_shards, defaults)
         self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
+        self.used = common.UsedParameters(self.params, self.params[0].device) if find_unused_parameters else None
         # Fires during backward once p.grad is complete (a tied weight's: both uses summed).
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, p):
+        if self.used:
+            self.used.mark(p)
         common.at_end_of_backward(self, self.finish_reduce_scatter)  # wait for all at its end
         self.grad_buckets.ready(p)
 
@@ -161,13 +165,14 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         # 1) the reduce-scatters ran during backward: my gradient shards are ready.
 
         # 2) AdamW on my shard of every bucket, in fp32 (bf16 gradients are cast up first)
+        unused = self.used.unused() if self.used else ()
         for pieces, grad_shard, param_shard in zip(self.pieces, self.grad_shards, self.param_shards):
             grad, start = grad_shard.float(), self.rank * param_shard.numel()
             for p, offset, lo, hi, piece in pieces:
-                piece.grad = grad[offset + lo - start:offset + hi - start]
+                piece.grad = None if p in unused else grad[offset + lo - start:offset + hi - start]
         every_piece = [piece for pieces in self.pieces for *_, piece in pieces]
         if self.grad_clip > 0:
-            self.clip_grad_norm_([piece.grad for piece in every_piece])
+            self.clip_grad_norm_([piece.grad for piece in every_piece if piece.grad is not None])
         self.optim.step()
         for piece in every_piece:
             piece.grad = None  # gradient shards live only until the step

@@ -138,6 +138,7 @@ class ZeRO3:
     grad_clip        global-norm gradient clipping across all shards; 0 turns it off
     param_groups     [{"params": [module's parameters], options}]: the optimizer's groups, as
                      torch.optim takes them (e.g. weight decay for some); default: one group
+    find_unused_parameters  as DDP's and 04's: a parameter no rank's backward reached is left alone
     prefetch         issue the next unit's all-gather while the current one computes
     device           where a meta module is materialised (default: where its parameters are)
     **defaults       the optimizer's own arguments (lr, betas, ...)
@@ -150,7 +151,8 @@ class ZeRO3:
     fill_nan_before_gather = False  # tests: a byte an all-gather fails to write then shows as NaN
 
     def __init__(self, module, optimizer_class=torch.optim.AdamW, units=(), param_init_fn=None,
-                 grad_clip=0.0, prefetch=True, device=None, param_groups=None, **defaults):
+                 grad_clip=0.0, prefetch=True, device=None, param_groups=None, find_unused_parameters=False,
+                 **defaults):
         self.module, self.grad_clip, self.prefetch = module, grad_clip, prefetch
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         slots = {}  # parameter -> every (module, attribute name) holding it
@@ -180,6 +182,8 @@ class ZeRO3:
         groups = [{**g, "params": [replaced[p] for p in g["params"]]} for g in groups]
         self.optim = optimizer_class(common.piece_groups(groups, [x for u in self.units for x in u.pieces]),
                                      **defaults)
+        trainable = [p for u in self.units for p in u.trainable]
+        self.used = common.UsedParameters(trainable, self.units[0].flat_param.device) if find_unused_parameters else None
         for unit in self.units:
             hook = functools.partial
             unit.module.register_forward_pre_hook(hook(self._pre_forward, unit))
@@ -261,6 +265,8 @@ class ZeRO3:
     def _grad_ready(self, unit, start, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
         assert not unit.reduced, "a parameter used by two units must belong to the root unit"
+        if self.used:
+            self.used.mark(p)
         if unit.flat_grad is None:  # zeros: padding, frozen parts and unused parameters add 0
             unit.flat_grad = torch.zeros(unit.numel_padded, dtype=p.grad.dtype, device=p.grad.device)
         unit.flat_grad[start:start + p.numel()].view_as(p.grad).copy_(p.grad)
@@ -310,15 +316,15 @@ class ZeRO3:
     @torch.no_grad()
     def step(self):
         # 6) AdamW on my shards, in fp32 (bf16 gradients are cast up first, as 01-05 do)
-        units = [u for u in self.units if u.master_shard is not None]
+        units, unused = [u for u in self.units if u.master_shard is not None], self.used.unused() if self.used else ()
         for u in units:
             grad = (u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.param_shard)).float()
             start = self.rank * u.shard_numel
             for p, offset, lo, hi, piece in u.pieces:
-                piece.grad = grad[offset + lo - start:offset + hi - start]
+                piece.grad = None if p in unused else grad[offset + lo - start:offset + hi - start]
         pieces = [piece for u in units for *_, piece in u.pieces]
         if self.grad_clip > 0:
-            self.clip_grad_norm_([piece.grad for piece in pieces])
+            self.clip_grad_norm_([piece.grad for piece in pieces if piece.grad is not None])
         self.optim.step()
         for u in units:  # round into my bf16 shard (in fp32 mode the same memory: a no-op)
             u.param_shard[:u.master_shard.numel()].copy_(u.master_shard)

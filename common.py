@@ -446,6 +446,27 @@ def piece_groups(groups, pieces):
     return out
 
 
+class UsedParameters:
+    """find_unused_parameters, DDP's flag, for 04-06: which parameters some rank's backward
+    reached since the last step. mark(p) from p's gradient hook; unused() at the step (one
+    small all-reduce, as DDP's, hence only on request) gives the others, whose pieces then get
+    no gradient: the optimizer skips them (no weight decay, no moment update), as one process
+    skips a parameter whose .grad is None. Without it they count as used, with zero gradients."""
+
+    def __init__(self, params, device):
+        self.index = {p: i for i, p in enumerate(params)}
+        self.flags = torch.zeros(len(params), device=device)
+
+    def mark(self, p):
+        self.flags[self.index[p]] = 1
+
+    def unused(self):
+        dist.all_reduce(self.flags)
+        out = {p for p, i in self.index.items() if self.flags[i] == 0}
+        self.flags.zero_()
+        return out
+
+
 def master_weights(p):
     """The fp32 values to start p's master weights from, flat: the fp32 initial weights if
     build_model kept them (handed over once: the parameter lets go of them), else p's own."""

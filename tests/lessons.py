@@ -74,6 +74,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
         z = load_lesson("06_zero3").ZeRO3(
             module, kw.get("optimizer_class", torch.optim.AdamW), units=sharding_units(module),
             grad_clip=grad_clip, prefetch=kw.get("prefetch", True), param_groups=common.decay_groups(module, wd),
+            find_unused_parameters=kw.get("find_unused", False),
             **kw.get("optimizer_kwargs", adamw(lr)))
         return _FullySharded(z, step=lambda: (z.step(), z.zero_grad()), full_parameters=z.full_parameters)
     if lesson == "fsdp2":
@@ -82,9 +83,11 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
         opt_class, opt_kwargs = kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs", adamw(lr))
         if lesson == "04":
             opt = load_lesson("04_zero1").ZeRO1Optimizer(common.decay_groups(module, wd), opt_class, grad_clip=grad_clip,
+                                                         find_unused_parameters=kw.get("find_unused", False),
                                                          **opt_kwargs)
             return _ShardedOptimizer(module, opt)
         opt = load_lesson("05_zero2").ZeRO2Optimizer(common.decay_groups(module, wd), opt_class, bucket_cap_mb=bucket_mb,
+                                                     find_unused_parameters=kw.get("find_unused", False),
                                                      grad_clip=grad_clip, **opt_kwargs)
         return _ShardedOptimizer(module, opt)  # its reduce-scatters end inside backward
     if lesson == "zero_redundancy":

@@ -240,3 +240,33 @@ def test_bf16_master_weights_start_from_the_fp32_initial_weights(tmp_path):
         masters = checkpoint.consolidate(checkpoint.latest(f"{tmp_path}/{name}"))
         for param, want in fp32.items():
             torch.testing.assert_close(masters[param], want.detach(), rtol=0, atol=1e-25, msg=f"{name} {param}")
+
+
+# ----------------------------------------------------------------------------- weight decay
+def toys_with_weight_decay():
+    from lessons import build
+    from toy import toy_train
+    # find_unused: DDP needs it for the toy's unused parameter, and 04-06 take DDP's flag to
+    # leave alone a parameter no rank's backward reached, as one process does
+    return {lesson: toy_train(build, lesson, grad_accum=3, weight_decay=0.1, find_unused=True, different_init=True)
+            for lesson in ("ddp", "01", "02", "03", "04", "05", "06")}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_weight_decay_leaves_a_parameter_without_gradient_alone(world):
+    # The toy's `unused` is 2-D, so in the decayed group, and never gets a gradient: one process
+    # skips it (its .grad is None), so weight decay must not shrink it in any lesson either,
+    # though a flat buffer holds zeros in its place. (Without find_unused_parameters, 04-06
+    # step it with a zero gradient: decay moves it by lr x 0.1 x |w| per step, ~1e-3.)
+    from toy import toy_reference
+    from zero_parity import close  # fp32 parity, 1e-5: zero_parity says why
+    want = toy_reference(weight_decay=0.1)
+    assert torch.equal(want["params"]["unused"], make_unused())  # untouched in one process
+    for runs in spawn(world, toys_with_weight_decay):
+        for lesson, run in runs.items():
+            close(run, want)
+
+
+def make_unused():
+    from toy import make_toy
+    return make_toy(seed=0).unused.detach()

@@ -24,5 +24,8 @@ def test_lecture_table():
     for r in rows:
         assert r[2] == "\u2713", r  # loss equal to 01's to 4 decimals (fp32)
         sent, sent_th, *held = r[4:]
-        # measured vs theory, at the printed precision (MiB, 3 decimals): sent, params, grads, optim
-        assert sent == sent_th and held[0::2] == held[1::2], r
+        # measured vs theory, at the printed precision (MiB, 3 decimals): sent exactly; params,
+        # grads, optim within one unit of the last digit, as padding and AdamW's 4-byte step
+        # counts (one per parameter a shard holds) can tip a rounding the theory does not have
+        assert sent == sent_th, r
+        assert all(abs(float(m) - float(t)) <= 0.001 + 1e-9 for m, t in zip(held[0::2], held[1::2])), r

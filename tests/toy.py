@@ -18,7 +18,7 @@ class ToyNet(nn.Module):
         self.frozen = nn.Linear(6, 7)
         self.frozen.requires_grad_(False)
         self.hidden = nn.Linear(7, 6)
-        self.unused = nn.Parameter(torch.randn(5))  # never used in forward: no gradient
+        self.unused = nn.Parameter(torch.randn(1, 5))  # never used in forward: no gradient; 2-D: decayed
         self.head = nn.Linear(6, VOCAB, bias=False)
         self.head.weight = self.emb.weight  # tied, as in GPT-2
 
@@ -55,12 +55,12 @@ def toy_train(build, lesson, steps=4, grad_accum=1, different_init=False, **kw):
     return {"losses": losses, "params": trainer.full_parameters()}
 
 
-def toy_reference(steps=4, grad_clip=0.0, lr=1e-2, **_):
+def toy_reference(steps=4, grad_clip=0.0, lr=1e-2, weight_decay=0.0, **_):
     """Single process, whole batch, the same optimizer: the answer every lesson must give."""
     import common
     from lessons import adamw
     model = make_toy(seed=0)
-    opt = common.MixedPrecisionAdamW(model.parameters(), grad_clip, **adamw(lr))
+    opt = common.MixedPrecisionAdamW(common.decay_groups(model, weight_decay), grad_clip, **adamw(lr))
     losses = []
     for step in range(steps):
         loss = model(*toy_batch(step))
