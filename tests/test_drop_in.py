@@ -3,8 +3,9 @@ PyTorch's class and with the lesson's, one line apart (the line that builds them
 are compared after every step.
 
     01, 02, 03  against DistributedDataParallel: zero_grad() both ways, no_sync() for gradient
-                accumulation, SGD with momentum and AdamW built over model.parameters()
-    04, 05      against DDP + ZeroRedundancyOptimizer: SGD with momentum and AdamW, an
+                accumulation, SGD with and without momentum, Adam and AdamW built over
+                model.parameters()
+    04, 05      against DDP + ZeroRedundancyOptimizer: the same four optimizers, an
                 lr_scheduler, and (04, 05) a state_dict() round trip mid-run
 """
 import contextlib
@@ -22,6 +23,8 @@ from zero_parity import ARGV, key_bias_apart  # ARGV: a GPT whose Psi no world s
 
 STEPS, ACCUM = 4, 2
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+              "plain_sgd": (torch.optim.SGD, dict(lr=0.05)),  # no state at all
+              "adam": (torch.optim.Adam, dict(lr=3e-3, weight_decay=0.01)),  # L2 into the gradient
               "adamw": (torch.optim.AdamW, dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1))}
 
 
