@@ -1,7 +1,11 @@
-"""Everything a lesson needs that is not its algorithm: flags, process-group set-up, data,
-the optimizer used by 01-03, and a clean exit.
+"""Everything a lesson needs that is not its algorithm: flags, the device and process-group
+set-up, data, DDP's interface for 01-03, what the sharded optimizers of 04-06 share (master
+weights, one optimizer tensor per parameter), the optimizer of 01-03 and its schedule, and a
+clean exit (with naming a lost rank).
 
-Nothing here calls a collective on the lessons' behalf; the lessons do that on the page.
+The lessons' collectives are on their own pages. What talks to other ranks here is bookkeeping:
+the heartbeat (through the rendezvous store, not a collective), and UsedParameters' small
+all-reduce when a caller asks for find_unused_parameters.
 """
 import argparse
 import contextlib
@@ -389,6 +393,54 @@ def build_model(args, env: Dist) -> GPT:
     return model
 
 
+def n_params(module) -> int:
+    """Psi: unique parameters (the tied embedding/head counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+@functools.lru_cache(maxsize=4)
+def _successors(seed, vocab_size, k=4):
+    """The data's rule: each token is followed by one of k fixed successors, equally likely."""
+    g = torch.Generator().manual_seed(seed + 12345)
+    return torch.stack([torch.randperm(vocab_size, generator=g)[:k] for _ in range(vocab_size)])
+
+
+def global_batch(seed, step, batch, seq_len, vocab_size):
+    """The whole global batch of step `step`: (batch, seq_len + 1) tokens, the same on every
+    rank and at every world size. The best possible loss is ln(4), the entropy of the rule."""
+    succ = _successors(seed, vocab_size)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(vocab_size, (batch,), generator=g)
+    choice = torch.randint(succ.shape[1], (batch, seq_len), generator=g)
+    for t in range(seq_len):
+        tokens[:, t + 1] = succ[tokens[:, t], choice[:, t]]
+    return tokens
+
+
+_rows = (None, None)  # (which step of which run, this rank's rows of it on the device)
+
+
+def get_batch(args, env: Dist, step, micro):
+    """Rank r of N takes rows r*B/N .. (r+1)*B/N of the global batch, split into micro-steps.
+
+    A step's rows are made and moved to the device once, at its first micro-step; on CUDA from
+    pinned memory with non_blocking=True, so the CPU queues the copy and goes on."""
+    global _rows
+    per_rank = args.global_batch // env.world_size
+    key = (args.seed, step, args.global_batch, args.seq_len, args.vocab_size, env.rank, env.world_size, env.device)
+    if _rows[0] != key:
+        tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
+        mine = tokens[env.rank * per_rank:(env.rank + 1) * per_rank]
+        if env.device.type == "cuda":
+            mine = mine.pin_memory().to(env.device, non_blocking=True)
+        _rows = (key, mine)
+    per_micro = per_rank // args.grad_accum
+    rows = _rows[1][micro * per_micro:(micro + 1) * per_micro]
+    return rows[:, :-1], rows[:, 1:]
+
+
+# ----------------------------------------------------------------------------- sharded optimizers (04-06)
 def master_shard(params, start, numel):
     """fp32 master weights for elements start .. start + numel of `params` laid back to back in
     one flat buffer (padding: 0), each from master_weights(p). Every parameter hands over its
@@ -472,53 +524,6 @@ def master_weights(p):
     build_model kept them (handed over once: the parameter lets go of them), else p's own."""
     init = p.__dict__.pop("fp32_init", None)
     return (p.detach() if init is None else init).float().reshape(-1)
-
-
-def n_params(module) -> int:
-    """Psi: unique parameters (the tied embedding/head counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
-
-
-@functools.lru_cache(maxsize=4)
-def _successors(seed, vocab_size, k=4):
-    """The data's rule: each token is followed by one of k fixed successors, equally likely."""
-    g = torch.Generator().manual_seed(seed + 12345)
-    return torch.stack([torch.randperm(vocab_size, generator=g)[:k] for _ in range(vocab_size)])
-
-
-def global_batch(seed, step, batch, seq_len, vocab_size):
-    """The whole global batch of step `step`: (batch, seq_len + 1) tokens, the same on every
-    rank and at every world size. The best possible loss is ln(4), the entropy of the rule."""
-    succ = _successors(seed, vocab_size)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(vocab_size, (batch,), generator=g)
-    choice = torch.randint(succ.shape[1], (batch, seq_len), generator=g)
-    for t in range(seq_len):
-        tokens[:, t + 1] = succ[tokens[:, t], choice[:, t]]
-    return tokens
-
-
-_rows = (None, None)  # (which step of which run, this rank's rows of it on the device)
-
-
-def get_batch(args, env: Dist, step, micro):
-    """Rank r of N takes rows r*B/N .. (r+1)*B/N of the global batch, split into micro-steps.
-
-    A step's rows are made and moved to the device once, at its first micro-step; on CUDA from
-    pinned memory with non_blocking=True, so the CPU queues the copy and goes on."""
-    global _rows
-    per_rank = args.global_batch // env.world_size
-    key = (args.seed, step, args.global_batch, args.seq_len, args.vocab_size, env.rank, env.world_size, env.device)
-    if _rows[0] != key:
-        tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
-        mine = tokens[env.rank * per_rank:(env.rank + 1) * per_rank]
-        if env.device.type == "cuda":
-            mine = mine.pin_memory().to(env.device, non_blocking=True)
-        _rows = (key, mine)
-    per_micro = per_rank // args.grad_accum
-    rows = _rows[1][micro * per_micro:(micro + 1) * per_micro]
-    return rows[:, :-1], rows[:, 1:]
 
 
 # ----------------------------------------------------------------------------- DDP's shape (01-03)
