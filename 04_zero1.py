@@ -127,7 +127,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # ### END SOLUTION
 
         # 2) AdamW on my shard, in fp32 (bf16 gradients are cast up first, as 01-03 do)
-        self._gradients_into_pieces(grad_shard.float())
+        common.grads_into_pieces(self.pieces, grad_shard.float(), self.rank * self.param_shard.numel(),
+                                 self.used.unused() if self.used else ())
         if self.grad_clip > 0:
             self.clip_grad_norm_([piece.grad for *_, piece in self.pieces if piece.grad is not None])
         self.optim.step()
@@ -162,11 +163,6 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
                 p.grad = None
         else:
             self.flat_grad.zero_()
-
-    def _gradients_into_pieces(self, grad_shard):
-        start, unused = self.rank * self.param_shard.numel(), self.used.unused() if self.used else ()
-        for p, offset, lo, hi, piece in self.pieces:
-            piece.grad = None if p in unused else grad_shard[offset + lo - start:offset + hi - start]
 
     def _gradients_into_flat_buffer(self):
         for p, view in zip(self.params, self.grad_views):

@@ -167,9 +167,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         # 2) AdamW on my shard of every bucket, in fp32 (bf16 gradients are cast up first)
         unused = self.used.unused() if self.used else ()
         for pieces, grad_shard, param_shard in zip(self.pieces, self.grad_shards, self.param_shards):
-            grad, start = grad_shard.float(), self.rank * param_shard.numel()
-            for p, offset, lo, hi, piece in pieces:
-                piece.grad = None if p in unused else grad[offset + lo - start:offset + hi - start]
+            common.grads_into_pieces(pieces, grad_shard.float(), self.rank * param_shard.numel(), unused)
         every_piece = [piece for pieces in self.pieces for *_, piece in pieces]
         if self.grad_clip > 0:
             self.clip_grad_norm_([piece.grad for piece in every_piece if piece.grad is not None])

@@ -319,9 +319,7 @@ class ZeRO3:
         units, unused = [u for u in self.units if u.master_shard is not None], self.used.unused() if self.used else ()
         for u in units:
             grad = (u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.param_shard)).float()
-            start = self.rank * u.shard_numel
-            for p, offset, lo, hi, piece in u.pieces:
-                piece.grad = None if p in unused else grad[offset + lo - start:offset + hi - start]
+            common.grads_into_pieces(u.pieces, grad, self.rank * u.shard_numel, unused)
         pieces = [piece for u in units for *_, piece in u.pieces]
         if self.grad_clip > 0:
             self.clip_grad_norm_([piece.grad for piece in pieces if piece.grad is not None])

@@ -110,11 +110,6 @@ def parse_args(argv=None, description=""):
         fail(f"--save-every must be 0 (never) or positive, got {args.save_every}")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
-    if args.device == "cuda" and not dist.is_initialized():  # (in a group, init_distributed decides)
-        try:
-            choose_device("cuda", local_ranks(), torch.cuda.device_count())
-        except ValueError as e:
-            fail(str(e))
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
     return args
 
@@ -150,7 +145,7 @@ def choose_device(requested, ranks_here, gpus):
     cannot have that raises ValueError."""
     if requested == "cpu":
         return "cpu", None
-    if gpus >= ranks_here >= 1 and gpus > 0:
+    if gpus >= max(ranks_here, 1):
         return "cuda", None
     if requested == "cuda":
         if gpus == 0:
@@ -262,18 +257,14 @@ def _start_heartbeat(rank, watch=False, after_s=WATCHDOG_S):
     _heartbeat.start()
 
 
-_diagnosing = False  # set while a failure is being explained: a SIGTERM must not cut it short
 _failure = threading.Lock()  # held by the one thread that reports this rank's failure
 
 
 def _claim_failure():
     """True for the first caller only: one line per rank, whichever thread sees the failure first
-    (a later one returns False and leaves the exit to the first)."""
-    global _diagnosing
-    if not _failure.acquire(blocking=False):
-        return False
-    _diagnosing = True
-    return True
+    (a later one, a SIGTERM during the report included, returns False and leaves the exit to the
+    first)."""
+    return _failure.acquire(blocking=False)
 
 
 def lost_ranks(stopping=False):
@@ -496,6 +487,13 @@ def piece_groups(groups, pieces):
     if not pieces:
         out[0]["params"] = [torch.zeros(0, requires_grad=True)]
     return out
+
+
+def grads_into_pieces(pieces, grad_shard, start, unused=()):
+    """Give each piece (shard_pieces) its slice of my fp32 gradient shard, flat start ..., as
+    .grad; a parameter in `unused` (UsedParameters) gets None, so the optimizer skips it."""
+    for p, offset, lo, hi, piece in pieces:
+        piece.grad = None if p in unused else grad_shard[offset + lo - start:offset + hi - start]
 
 
 class UsedParameters:

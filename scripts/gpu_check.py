@@ -5,7 +5,7 @@
     python3 scripts/gpu_check.py --quick          # a small model, a few steps: a smoke test
 
 Runs every lesson at world 1, and at world = the number of GPUs when there are two or more, in
-fp32 and bf16, on a GPT of 29.6M parameters, and prints per run: the final loss and its
+fp32 and bf16, on a GPT of 29.7M parameters, and prints per run: the final loss and its
 distance from the same training on the CPU (single process, gloo), the median step time,
 tokens/s, the GPU's peak allocated memory in the measured step beside the model states the ZeRO
 formula gives, the ring bytes sent per rank against theory, and the share of communication
@@ -26,8 +26,8 @@ import tempfile
 
 from runs import LESSONS, launch, mib
 
-# 29.6M parameters, 4,096 tokens a step: big enough to time on a GPU, small enough that the
-# CPU reference (16 threads) takes about a minute
+# 29,747,200 parameters, 4,096 tokens a step: big enough to time on a GPU, small enough for the
+# single-process CPU reference of 10 steps (its time on a GPU machine's CPU is not yet measured)
 MODEL = ["--n-layer", "6", "--d-model", "640", "--n-head", "10", "--seq-len", "256", "--global-batch", "16"]
 QUICK = ["--n-layer", "2", "--d-model", "64", "--n-head", "2", "--seq-len", "32", "--global-batch", "8"]
 # How far a loss may be from the CPU's after the run. fp32: CUDA's kernels sum in other orders
@@ -68,13 +68,7 @@ def machine(device):
 
 def sweep(worlds, flags, env=None):
     """Every lesson at each world size, in one torchrun launch: {world: {lesson: report}}."""
-    saved = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        out = launch("scripts/sweep", max(worlds), ["--worlds", *worlds, "--lessons", *LESSONS, *flags])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    out = launch("scripts/sweep", max(worlds), ["--worlds", *worlds, "--lessons", *LESSONS, *flags], env=env)
     return {int(w): r["reports"] for w, r in out["worlds"].items()}
 
 

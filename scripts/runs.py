@@ -16,17 +16,17 @@ def available_lessons():
     return [name for name in LESSONS if os.path.exists(os.path.join(ROOT, f"{name}.py"))]
 
 
-def launch(script, nproc, args=(), echo=False, report=True, threads=1):
+def launch(script, nproc, args=(), echo=False, report=True, threads=1, env=None):
     """Run `script` (a lesson, or any torchrun-able file) on `nproc` CPU ranks (gloo, also on a
-    machine with GPUs; a `--device` in args overrides), `threads` each; return its report (a
-    dict) or raise with the run's output."""
+    machine with GPUs; a `--device` in args overrides), `threads` each, `env` added to the
+    environment; return its report (a dict) or raise with the run's output."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "report.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--standalone", os.path.join(ROOT, f"{script}.py"), "--device", "cpu", *map(str, args)]
         if report:
             cmd += ["--report", path]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
+        env = dict(os.environ, **(env or {}), OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True)
         output = proc.stdout + "".join(l + "\n" for l in proc.stderr.splitlines()
                                        if not l.startswith(("W", "I")) or "error" in l.lower())

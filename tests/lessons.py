@@ -23,8 +23,8 @@ def _named_full(module):
 class _Replicated:
     """01-03 and PyTorch's DDP: every rank holds the whole model and the whole optimizer."""
 
-    def __init__(self, wrapper, module, grad_clip, lr, sync, weight_decay=0.0):
-        self.wrapper, self.module, self.sync = wrapper, module, sync
+    def __init__(self, wrapper, module, grad_clip, lr, weight_decay=0.0):
+        self.wrapper, self.module = wrapper, module
         self.opt = common.MixedPrecisionAdamW(common.decay_groups(module, weight_decay), grad_clip, **adamw(lr))
 
     def train_step(self, micro_batches):
@@ -35,8 +35,6 @@ class _Replicated:
                 loss = self.wrapper(x, y) / len(micro_batches)
                 loss.backward()
             total += loss.item()
-        if self.sync is not None:
-            self.sync(self.wrapper)
         self.opt.step()
         self.opt.zero_grad()
         return total
@@ -60,16 +58,16 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
     if lesson == "ddp":
         ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_mb,
                                                   find_unused_parameters=kw.get("find_unused", False))
-        return _Replicated(ddp, module, grad_clip, lr, sync=None, weight_decay=wd)
+        return _Replicated(ddp, module, grad_clip, lr, weight_decay=wd)
     if lesson == "01":
         dp = load_lesson("01_vanilla_dp").VanillaDP(module)  # averages at the end of backward, as DDP
-        return _Replicated(dp, module, grad_clip, lr, sync=None, weight_decay=wd)
+        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd)
     if lesson == "02":
         dp = load_lesson("02_async_allreduce").AsyncAllReduceDP(module)
-        return _Replicated(dp, module, grad_clip, lr, sync=None, weight_decay=wd)
+        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd)
     if lesson == "03":
         dp = load_lesson("03_buckets").BucketedDP(module, bucket_cap_mb=bucket_mb)
-        return _Replicated(dp, module, grad_clip, lr, sync=None, weight_decay=wd)
+        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd)
     if lesson == "06":
         z = load_lesson("06_zero3").ZeRO3(
             module, kw.get("optimizer_class", torch.optim.AdamW), units=sharding_units(module),

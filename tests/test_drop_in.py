@@ -22,10 +22,11 @@ from harness import load_lesson, once, spawn
 from zero_parity import ARGV, key_bias_apart  # ARGV: a GPT whose Psi no world size divides
 
 STEPS, ACCUM = 4, 2
+ADAM_LR = 3e-3  # Adam's and AdamW's below: the most either moves an element in a step
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
               "plain_sgd": (torch.optim.SGD, dict(lr=0.05)),  # no state at all
-              "adam": (torch.optim.Adam, dict(lr=3e-3, weight_decay=0.01)),  # L2 into the gradient
-              "adamw": (torch.optim.AdamW, dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1))}
+              "adam": (torch.optim.Adam, dict(lr=ADAM_LR, weight_decay=0.01)),  # L2 into the gradient
+              "adamw": (torch.optim.AdamW, dict(lr=ADAM_LR, betas=(0.9, 0.95), weight_decay=0.1))}
 
 
 def user_loop(model, opt, batches, zero_grad_to_none=True, scheduler=None, round_trip=None):
@@ -86,7 +87,7 @@ def same_every_step(got, want, exact, tol=None):
             if exact:
                 assert torch.equal(g[name], w[name]), f"step {step} {name}"
             else:  # the key bias: its exact gradient is 0, so round-off noise Adam may scale up
-                t = dict(rtol=0, atol=2 * 3e-3 * (step + 1)) if name.endswith("[key]") else tol
+                t = dict(rtol=0, atol=2 * ADAM_LR * (step + 1)) if name.endswith("[key]") else tol
                 torch.testing.assert_close(g[name], w[name], **t, msg=f"step {step} {name}")
 
 
