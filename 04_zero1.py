@@ -130,7 +130,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         common.grads_into_pieces(self.pieces, grad_shard.float(), self.rank * self.param_shard.numel(),
                                  self.used.unused() if self.used else ())
         if self.grad_clip > 0:
-            self.clip_grad_norm_([piece.grad for *_, piece in self.pieces if piece.grad is not None])
+            common.clip_grad_norm_([piece.grad for *_, piece in self.pieces if piece.grad is not None],
+                                   self.grad_clip, self.flat_grad.device)
         self.optim.step()
         for *_, piece in self.pieces:
             piece.grad = None  # the gradient shard lives only during the step
@@ -145,15 +146,6 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self.param_shard.copy_(self.master_shard)
         dist.all_gather_into_tensor(self.flat_param, self.param_shard)
         # ### END SOLUTION
-
-    def clip_grad_norm_(self, grads):
-        """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ but over all ranks' shards:
-        each rank sums the squares of its own shard; one scalar all-reduce adds them up."""
-        norm_sq = sum(g.float().pow(2).sum() for g in grads)  # padding is zero: adds nothing
-        dist.all_reduce(norm_sq)
-        clip_coef = (self.grad_clip / (norm_sq.sqrt() + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(clip_coef)
 
     def zero_grad(self, set_to_none=True):
         """In place, every p.grad stays a view of the flat buffer. set_to_none (PyTorch's

@@ -170,7 +170,8 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
             common.grads_into_pieces(pieces, grad_shard.float(), self.rank * param_shard.numel(), unused)
         every_piece = [piece for pieces in self.pieces for *_, piece in pieces]
         if self.grad_clip > 0:
-            self.clip_grad_norm_([piece.grad for piece in every_piece if piece.grad is not None])
+            common.clip_grad_norm_([piece.grad for piece in every_piece if piece.grad is not None],
+                                   self.grad_clip, self.param_shards[0].device)
         self.optim.step()
         for piece in every_piece:
             piece.grad = None  # gradient shards live only until the step
@@ -183,15 +184,6 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
             works.append(dist.all_gather_into_tensor(flat_param, param_shard, async_op=True))
         for work in works:
             work.wait()
-
-    def clip_grad_norm_(self, grads):
-        """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ but over all ranks' shards:
-        each rank sums the squares of its own shards; one scalar all-reduce adds them up."""
-        norm_sq = sum(g.float().pow(2).sum() for g in grads)  # padding is zero: adds nothing
-        dist.all_reduce(norm_sq)
-        clip_coef = (self.grad_clip / (norm_sq.sqrt() + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(clip_coef)
 
     def zero_grad(self, set_to_none=True):  # either way: the gradients are my shards, not p.grad
         self.grad_shards = [None] * len(self.grad_shards)  # the next backward's slices start them

@@ -13,7 +13,7 @@ all Psi / N. A unit's full parameters exist only while it computes:
     # 3) free unit i's full parameters (keep my shard)
     # 4) all-gather unit i again for its backward (prefetched the same way, in reverse order)
     # 5) reduce-scatter unit i's gradients as soon as they are complete; free them
-    # 6) AdamW on my shard (nothing to all-gather after it: the next forward gathers)
+    # 6) the optimizer on my shards (nothing to all-gather after it: the next forward gathers)
 
 Each step gathers every parameter twice and reduce-scatters every gradient once: 3 Psi (N-1)/N
 elements sent per rank, 1.5x what 01-05 send, for memory that shrinks with every rank added.
@@ -23,10 +23,17 @@ Gradient accumulation cannot save communication here: no rank holds a unit's ful
 gradient between micro-steps, so every micro-step gathers and reduce-scatters (adding into my
 grad shard): K micro-steps send 3 K Psi (N-1)/N.
 
+Shaped like FSDP2: `model.parameters()` are my shards, so the caller builds any optimizer over
+them; mixed precision is a policy. My shards stay in the parameters' own dtype (fp32): they are
+the master weights the optimizer updates. Each all-gather casts them to param_dtype (bf16) for
+forward and backward, and each reduce-scatter runs in reduce_dtype. At rest that is 4 + 4 + 8
+bytes per parameter (fp32 shards, fp32 gradient shards, Adam's two moments), all / N: the ZeRO
+paper's 2 + 2 + 12, with the master copy being the parameters themselves.
+
     python 06_zero3.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 06_zero3.py                  # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=2 06_zero3.py --prefetch 0     # no prefetch: measure what it buys
-    torchrun --nproc_per_node=2 06_zero3.py --precision bf16 # the ZeRO paper's accounting
+    torchrun --nproc_per_node=2 06_zero3.py --precision bf16 # gather, compute, reduce in bf16
     torchrun --nproc_per_node=4 06_zero3.py --device cuda    # 4 GPUs (nccl)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 06_zero3.py         # 2 nodes, run on each
@@ -36,6 +43,7 @@ reshard_after_forward=True (FSDP1: ShardingStrategy.FULL_SHARD); DeepSpeed: ZeRO
 """
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,31 +56,38 @@ from model import GPT, init_parameters
 
 
 # ----------------------------------------------------------------------------- the strategy
+@dataclass
+class MixedPrecisionPolicy:
+    """FSDP2's (torch.distributed.fsdp.MixedPrecisionPolicy, which ZeRO3 takes as well).
+    param_dtype: what the all-gathers deliver and forward and backward compute in; reduce_dtype:
+    what the gradients are reduce-scattered in (default: param_dtype). None: the parameters'
+    own dtype. The shards, the optimizer and the gradient shards keep the parameters' dtype."""
+    param_dtype: torch.dtype = None
+    reduce_dtype: torch.dtype = None
+
+
 class Unit:
     """Some parameters flattened into one buffer, padded to a multiple of N, cut in N shards.
 
-    flat_param    (numel_padded,)      the whole unit, working precision; alive only while gathered
-    param_shard   (numel_padded / N,)  my slice of it, working precision; always alive
-    master_shard  (k,) fp32            AdamW's weights: the trainable part of my slice (k <= shard)
-    grad_shard    (numel_padded / N,)  my slice of the averaged gradient, from backward to step()
-    flat_grad     (numel_padded,)      the unit's full gradient, only until it is reduce-scattered
+    shard       (numel_padded / N,)  my slice, in the parameters' own dtype: all I keep at rest,
+                                     and the master weights the optimizer updates
+    sharded     [nn.Parameter]       per parameter, its elements in my slice (maybe none): views
+                                     of `shard`, the parameters ZeRO3.parameters() gives out
+    flat_param  (numel_padded,)      the whole unit in param_dtype; alive only while gathered
+    params      [nn.Parameter]       the module's parameters, full shape: views of flat_param
+    flat_grad   (numel_padded,)      the unit's full gradient in reduce_dtype, until reduce-scattered
     A unit is also its own gradient bucket: its reduce-scatter's shards must line up with its
     parameter shards, so bucket.py's buckets, cut by size across units, do not fit here.
     """
 
     def __init__(self, index, module, params, slots, device, rank, world_size):
-        self.index, self.module = index, module
-        # Trainable parameters first, frozen ones last: the trainable part of any shard is then a
-        # prefix of it, so AdamW gets one tensor per unit and never sees a frozen weight.
-        params = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
-        self.dtype, device = params[0].dtype, device or params[0].device
+        self.index, self.module, self.rank = index, module, rank
         numel = sum(p.numel() for p in params)
         self.numel_padded = math.ceil(numel / world_size) * world_size
-        # A meta module is initialised in fp32 and cast after (keep_my_shard), so that bf16's
-        # master weights start from the fp32 initial weights, as common.build_model's do.
-        dtype = torch.float32 if params[0].is_meta else self.dtype
-        self.flat_param = torch.zeros(self.numel_padded, dtype=dtype, device=device)  # padding: 0
-        self.sources = params  # where a materialised module's fp32 initial weights may be
+        self.shard_numel = self.numel_padded // world_size
+        # the whole unit, once, to initialise it: keep_my_shard keeps my slice and frees it
+        device = device or params[0].device
+        self.flat_param = torch.zeros(self.numel_padded, dtype=params[0].dtype, device=device)  # padding: 0
         self.params, self.offsets, self.replaced, offset = [], [], {}, 0
         for old in params:
             # NOTE (the version-counter trap). Autograd saves the weights a backward needs and
@@ -86,7 +101,7 @@ class Unit:
             # for bit what autograd saved (the same shards; the optimizer changes them only after
             # backward). FSDP2 tells autograd the same with _unsafe_preserve_version_counter.
             # (A new Parameter for every tensor, as a meta tensor's .data cannot be made real.)
-            p = nn.Parameter(torch.empty(0, dtype=dtype, device=device), old.requires_grad)
+            p = nn.Parameter(torch.empty(0, dtype=old.dtype, device=device), old.requires_grad)
             p.data = self.flat_param[offset:offset + old.numel()].view(old.shape)
             if not old.is_meta:
                 p.data.copy_(old.data)  # a materialised module keeps its values
@@ -97,64 +112,60 @@ class Unit:
             self.offsets.append(offset)
             offset += old.numel()
         self.trainable = [p for p in self.params if p.requires_grad]
-        self.n_trainable = sum(p.numel() for p in self.trainable)
-        self.shard_numel, self.rank = self.numel_padded // world_size, rank
 
-    def keep_my_shard(self):
+    def keep_my_shard(self, param_dtype):
+        """Keep my slice of the initialised unit; from now on the whole unit exists only while
+        gathered, in param_dtype."""
         start = self.rank * self.shard_numel
-        k = min(max(self.n_trainable - start, 0), self.shard_numel)  # my trainable elements
-        # fp32 master weights for them: in bf16 mode a copy of the fp32 initial weights (from a
-        # meta module initialised in fp32, then cast to bf16 here; or common.master_weights);
-        # in fp32 mode my shard itself, so nothing is duplicated.
-        if self.flat_param.dtype != self.dtype:
-            master = self.flat_param[start:start + k].clone()
-            working = self.flat_param.to(self.dtype)
+        self.shard = self.flat_param[start:start + self.shard_numel].clone()
+        self.sharded, self.ranges = [], []
+        for p, offset in zip(self.params, self.offsets):
+            lo, hi = (min(max(x - start, 0), self.shard_numel) for x in (offset, offset + p.numel()))
+            shard = nn.Parameter(self.shard[lo:hi], p.requires_grad)
+            shard.full_shape = p.shape  # flat, but a matrix's shard: weight decay (common.decay_groups)
+            self.sharded.append(shard)
+            self.ranges.append((lo, hi))
+        self.flat_param.untyped_storage().resize_(0)  # the whole unit: gone until gathered
+        if param_dtype not in (None, self.shard.dtype):  # gathered in another dtype than kept
+            self.flat_param = torch.empty(self.numel_padded, dtype=param_dtype, device=self.shard.device)
             for p, offset in zip(self.params, self.offsets):
-                p.data = working[offset:offset + p.numel()].view(p.shape)
-            self.flat_param = working
-        elif self.dtype != torch.float32:
-            master = common.master_shard(self.sources, start, k)
-        self.param_shard = self.flat_param[start:start + self.shard_numel].clone()
-        if self.dtype == torch.float32:
-            master = self.param_shard[:k]
-        self.master_shard = master if k else None
-        self.sources = None
-        # what the optimizer steps: one view of my master shard per parameter, as in 04
-        self.pieces = common.shard_pieces(self.trainable, start, master) if k else []
-        self.grad_shard = self.flat_grad = self.gather_work = None
+                p.data = self.flat_param[offset:offset + p.numel()].view(p.shape)
+            self.flat_param.untyped_storage().resize_(0)
+        self.flat_grad = self.grad_shard = self.gather_work = None
         self.pending, self.reduced = len(self.trainable), False  # gradients still to come
-        self.flat_param.untyped_storage().resize_(0)  # from now on it exists only while gathered
 
 
-class ZeRO3:
-    """Fully sharded data parallelism: parameters, gradients and optimizer state all sharded.
+class ZeRO3(nn.Module):
+    """Fully sharded data parallelism, used where a loop used FSDP2's `fully_shard`.
 
-    module           a plain nn.Module; its parameters may be on the meta device (no memory)
-    optimizer_class  a torch.optim optimizer, run over this rank's master shards only
-    units            submodules gathered, freed and reduced one at a time, listed in the order
-                     forward runs them; every other parameter (a tied one too) is the root's
-    param_init_fn    param_init_fn(submodule, prefix) initialises one unit of a meta module in
-                     place once its memory exists; prefix is its name ("" for the root)
-    grad_clip        global-norm gradient clipping across all shards; 0 turns it off
-    param_groups     [{"params": [module's parameters], options}]: the optimizer's groups, as
-                     torch.optim takes them (e.g. weight decay for some); default: one group
-    find_unused_parameters  as DDP's and 04's: a parameter no rank's backward reached is left alone
-    prefetch         issue the next unit's all-gather while the current one computes
-    device           where a meta module is materialised (default: where its parameters are)
-    **defaults       the optimizer's own arguments (lr, betas, ...)
+    module         a plain nn.Module; its parameters may be on the meta device (no memory)
+    units          submodules gathered, freed and reduced one at a time, listed in the order
+                   forward runs them; every other parameter (a tied one too) is the root's
+    mp_policy      MixedPrecisionPolicy(param_dtype, reduce_dtype) (this one's or FSDP2's)
+    param_init_fn  param_init_fn(submodule, prefix) initialises one unit of a meta module in
+                   place once its memory exists; prefix is its name ("" for the root)
+    prefetch       issue the next unit's all-gather while the current one computes
+    device         where a meta module is materialised (default: where its parameters are)
+    find_unused_parameters  as DDP's: a parameter no rank's backward reached gets no gradient
+                   (the optimizer skips it, as one process does); a small all-reduce per backward
 
+    `parameters()` / `named_parameters()` are my shards (flat; named as the module names its
+    parameters): build any torch.optim optimizer over them. `loss.backward()` leaves each
+    shard's averaged gradient in its `.grad` (micro-steps add up there, until zero_grad()).
+    `clip_grad_norm_(max_norm)` clips across all ranks' shards, as FSDP1's method of that name.
     A meta module is materialised, initialised and sharded one unit at a time, so no rank holds
     more than one full unit besides its shards; a materialised one takes rank 0's values.
-    Call it as the model, then `step()` after the last micro-step's backward, then `zero_grad()`.
     """
 
     fill_nan_before_gather = False  # tests: a byte an all-gather fails to write then shows as NaN
 
-    def __init__(self, module, optimizer_class=torch.optim.AdamW, units=(), param_init_fn=None,
-                 grad_clip=0.0, prefetch=True, device=None, param_groups=None, find_unused_parameters=False,
-                 **defaults):
-        self.module, self.grad_clip, self.prefetch = module, grad_clip, prefetch
+    def __init__(self, module, units=(), mp_policy=None, param_init_fn=None, prefetch=True, device=None,
+                 find_unused_parameters=False):
+        super().__init__()
+        self.module, self.prefetch = module, prefetch
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.param_dtype = getattr(mp_policy, "param_dtype", None)
+        self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or self.param_dtype
         slots = {}  # parameter -> every (module, attribute name) holding it
         for m in module.modules():
             for attr, p in m._parameters.items():
@@ -172,18 +183,12 @@ class ZeRO3:
                     param_init_fn(m, prefix[m])  # the values it would get in the whole model
                 elif not params[0].is_meta:  # ranks may start from different weights: rank 0's
                     dist.broadcast(unit.flat_param, src=0)
-            unit.keep_my_shard()  # and free the full unit before materialising the next one
+            unit.keep_my_shard(self.param_dtype)  # and free the full unit before the next one
             self.units.append(unit)
+        self.shard_of = {p: s for u in self.units for p, s in zip(u.params, u.sharded)}
         self.grads_in_flight = []  # (unit, work, grad_shard): reduce-scatters not yet waited for
-        # A real torch.optim optimizer over my shards, in the caller's groups, of the new
-        # parameters that replaced theirs (Unit), stepping one piece of my shard per parameter.
-        replaced = {old: new for u in self.units for old, new in u.replaced.items()}
-        groups, _ = common.param_groups(param_groups or [{"params": list(replaced)}])
-        groups = [{**g, "params": [replaced[p] for p in g["params"]]} for g in groups]
-        self.optim = optimizer_class(common.piece_groups(groups, [x for u in self.units for x in u.pieces]),
-                                     **defaults)
         trainable = [p for u in self.units for p in u.trainable]
-        self.used = common.UsedParameters(trainable, self.units[0].flat_param.device) if find_unused_parameters else None
+        self.used = common.UsedParameters(trainable, self.units[0].shard.device) if find_unused_parameters else None
         for unit in self.units:
             hook = functools.partial
             unit.module.register_forward_pre_hook(hook(self._pre_forward, unit))
@@ -191,12 +196,17 @@ class ZeRO3:
             if unit.index > 0:  # the root's backward pre-hook is set in _post_forward
                 unit.module.register_full_backward_pre_hook(hook(self._pre_backward, unit))
                 unit.module.register_full_backward_hook(hook(self._post_backward, unit))
-            for p, start in zip(unit.params, unit.offsets):
+            for p, offset in zip(unit.params, unit.offsets):
                 if p.requires_grad:  # fires once p.grad is complete (a tied weight's: both uses)
-                    p.register_post_accumulate_grad_hook(hook(self._grad_ready, unit, start))
+                    p.register_post_accumulate_grad_hook(hook(self._grad_ready, unit, offset))
 
-    def __call__(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def named_parameters(self, *args, **kwargs):
+        """My shards, under the names of the module's parameters (a tied weight once)."""
+        for name, p in self.module.named_parameters():
+            yield name, self.shard_of[p]
 
     # ------------------------------------------------------------------ gather and free
     def _unshard(self, unit, wait=True):
@@ -205,13 +215,15 @@ class ZeRO3:
         # ### BEGIN SOLUTION: gather a unit
         # TODO: if flat_param's storage is freed (size 0), give it numel x element_size bytes
         #       again, fill it with NaN when self.fill_nan_before_gather (the tests' poison), and
-        #       start an async dist.all_gather_into_tensor of unit.param_shard into it, kept in
-        #       unit.gather_work. Then, if `wait`, wait for unit.gather_work and set it to None.
+        #       start an async dist.all_gather_into_tensor of unit.shard, cast to flat_param's
+        #       dtype, into it, kept in unit.gather_work. Then, if `wait`, wait for
+        #       unit.gather_work and set it to None.
         if flat_param.untyped_storage().size() == 0:
             flat_param.untyped_storage().resize_(flat_param.numel() * flat_param.element_size())
             if self.fill_nan_before_gather:
                 flat_param.fill_(float("nan"))
-            unit.gather_work = dist.all_gather_into_tensor(flat_param, unit.param_shard, async_op=True)
+            my_shard = unit.shard.to(flat_param.dtype)  # param_dtype (fp32: the shard itself)
+            unit.gather_work = dist.all_gather_into_tensor(flat_param, my_shard, async_op=True)
         if wait and unit.gather_work is not None:
             unit.gather_work.wait()
             unit.gather_work = None
@@ -262,14 +274,15 @@ class ZeRO3:
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()
-    def _grad_ready(self, unit, start, p):
+    def _grad_ready(self, unit, offset, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
         assert not unit.reduced, "a parameter used by two units must belong to the root unit"
         if self.used:
             self.used.mark(p)
         if unit.flat_grad is None:  # zeros: padding, frozen parts and unused parameters add 0
-            unit.flat_grad = torch.zeros(unit.numel_padded, dtype=p.grad.dtype, device=p.grad.device)
-        unit.flat_grad[start:start + p.numel()].view_as(p.grad).copy_(p.grad)
+            unit.flat_grad = torch.zeros(unit.numel_padded, dtype=self.reduce_dtype or p.grad.dtype,
+                                         device=p.grad.device)
+        unit.flat_grad[offset:offset + p.numel()].view_as(p.grad).copy_(p.grad)  # (in reduce_dtype)
         p.grad = None  # the full gradient is not kept
         unit.pending -= 1
         if unit.pending == 0:
@@ -278,16 +291,16 @@ class ZeRO3:
     def _reduce_scatter(self, unit):
         self._wait_reduce_scatters()  # the previous unit's: at most two full gradients alive
         if unit.flat_grad is None:  # no gradient reached this unit here: it still takes part
-            unit.flat_grad = torch.zeros(unit.numel_padded, dtype=unit.param_shard.dtype,
-                                         device=unit.param_shard.device)
+            unit.flat_grad = torch.zeros(unit.numel_padded, dtype=self.reduce_dtype or unit.flat_param.dtype,
+                                         device=unit.shard.device)
         # 5) averaged over the global batch: each rank's loss is the mean over its rows, so the
         # global gradient is the SUM over ranks divided by N (divide first, as in 01).
         # ### BEGIN SOLUTION: reduce-scatter a unit's gradient
         # TODO: divide unit.flat_grad (numel_padded,) by self.world_size in place, start an
-        #       async dist.reduce_scatter_tensor of it into a new grad_shard shaped like
-        #       unit.param_shard, and append (unit, work, grad_shard) to self.grads_in_flight.
+        #       async dist.reduce_scatter_tensor of it into a new grad_shard of shard_numel
+        #       elements, and append (unit, work, grad_shard) to self.grads_in_flight.
         unit.flat_grad.div_(self.world_size)
-        grad_shard = torch.empty_like(unit.param_shard)  # (numel_padded / N,)
+        grad_shard = unit.flat_grad.new_empty(unit.shard_numel)  # (numel_padded / N,)
         work = dist.reduce_scatter_tensor(grad_shard, unit.flat_grad, async_op=True)
         self.grads_in_flight.append((unit, work, grad_shard))
         # ### END SOLUTION
@@ -296,68 +309,32 @@ class ZeRO3:
     def _wait_reduce_scatters(self):
         for unit, work, grad_shard in self.grads_in_flight:
             work.wait()
-            # Micro-steps add up in my shard: no rank ever keeps a unit's full gradient. In fp32,
-            # as in 05: a bf16 sum would round at every micro-step (fp32 mode: .float() is a no-op).
-            unit.grad_shard = grad_shard if unit.grad_shard is None else unit.grad_shard.float().add_(grad_shard)
-            unit.flat_grad = None  # 5) free the full gradient
+            unit.grad_shard, unit.flat_grad = grad_shard, None  # 5) free the full gradient
         self.grads_in_flight = []
 
+    @torch.no_grad()
     def _post_backward_final(self):
-        """Queued with the autograd engine: runs once backward is over."""
+        """Queued with the autograd engine: runs once backward is over, inside loss.backward()."""
         for unit in self.units:  # a unit some gradient never reached (an unused parameter) ...
             if unit.trainable and not unit.reduced:
                 self._reduce_scatter(unit)  # ... is reduced now, in the same order on every rank
         self._wait_reduce_scatters()
+        unused = self.used.unused() if self.used else ()
         for unit in self.units:
             self._reshard(unit)  # the root, and any unit whose post-backward hook did not fire
+            if unit.grad_shard is not None:  # into my shards' .grad, in their dtype (fp32):
+                grad = unit.grad_shard.to(unit.shard.dtype)  # micro-steps add up there, not in bf16
+                for p, shard, (lo, hi) in zip(unit.params, unit.sharded, unit.ranges):
+                    if p.requires_grad and hi > lo and p not in unused:  # (nothing to step: no grad)
+                        shard.grad = grad[lo:hi] if shard.grad is None else shard.grad.add_(grad[lo:hi])
+                unit.grad_shard = None
             unit.pending, unit.reduced = len(unit.trainable), False
 
-    # ------------------------------------------------------------------ optimizer
-    @torch.no_grad()
-    def step(self):
-        # 6) AdamW on my shards, in fp32 (bf16 gradients are cast up first, as 01-05 do)
-        units, unused = [u for u in self.units if u.master_shard is not None], self.used.unused() if self.used else ()
-        for u in units:
-            grad = (u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.param_shard)).float()
-            common.grads_into_pieces(u.pieces, grad, self.rank * u.shard_numel, unused)
-        pieces = [piece for u in units for *_, piece in u.pieces]
-        if self.grad_clip > 0:
-            self.clip_grad_norm_([piece.grad for piece in pieces if piece.grad is not None])
-        self.optim.step()
-        for u in units:  # round into my bf16 shard (in fp32 mode the same memory: a no-op)
-            u.param_shard[:u.master_shard.numel()].copy_(u.master_shard)
-        for piece in pieces:
-            piece.grad = None
-        # No all-gather here, unlike 04 and 05: the next forward gathers each unit when it runs.
-
-    def clip_grad_norm_(self, grads):
-        """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ but over all ranks' shards:
-        each rank sums the squares of its own shards; one scalar all-reduce adds them up."""
-        norm_sq = sum(g.float().pow(2).sum() for g in grads)  # padding is zero: adds nothing
-        dist.all_reduce(norm_sq)
-        clip_coef = (self.grad_clip / (norm_sq.sqrt() + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(clip_coef)
-
-    def zero_grad(self):
-        for u in self.units:
-            u.grad_shard = None
-
-    def checkpoint_shards(self, names):
-        """For checkpoint.py, per unit: my shard (loaded whole; I write its frozen part, after
-        the trainable prefix), and per trainable parameter its part of my shard, with its
-        master and the optimizer's state for it."""
-        shards = []
-        for u in self.units:
-            start, k = self.rank * u.shard_numel, 0 if u.master_shard is None else u.master_shard.numel()
-            shards.append(checkpoint.FlatShard([(names[p], p.numel()) for p in u.params],
-                                               {"param": (start, u.param_shard)},
-                                               owned=(start + k, start + u.shard_numel)))
-            shards += [checkpoint.FlatShard([(names[p], p.numel())],
-                                            {"param": (lo, u.param_shard[offset + lo - start:offset + hi - start]),
-                                             "master": (lo, piece)}, owned=(lo, hi), optim=self.optim)
-                       for p, offset, lo, hi, piece in u.pieces]
-        return shards
+    # ------------------------------------------------------------------ around the optimizer
+    def clip_grad_norm_(self, max_norm):
+        """Global-norm clipping over every rank's gradient shards; returns the total norm."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        return common.clip_grad_norm_(grads, max_norm, self.units[0].shard.device)
 
     @torch.no_grad()
     def full_parameters(self):
@@ -365,11 +342,25 @@ class ZeRO3:
         rank: for checkpoints and tests. (Gathered into new buffers; the shards stay as they are.)"""
         full = {}
         for u in self.units:
-            flat = torch.empty(u.numel_padded, dtype=u.param_shard.dtype, device=u.param_shard.device)
-            dist.all_gather_into_tensor(flat, u.param_shard)
-            for p, start in zip(u.params, u.offsets):
-                full[p] = flat[start:start + p.numel()].view(p.shape).float().clone()
+            flat = u.shard.new_empty(u.numel_padded)
+            dist.all_gather_into_tensor(flat, u.shard)
+            for p, offset in zip(u.params, u.offsets):
+                full[p] = flat[offset:offset + p.numel()].view(p.shape).float().clone()
         return {name: full[p] for name, p in self.module.named_parameters()}
+
+
+def checkpoint_shards(model, optimizer, names):
+    """For checkpoint.py, per parameter of `model` (a ZeRO3): its elements in my shards, which
+    are its master weights too, and `optimizer`'s state for them. I write and load just those."""
+    out = []
+    for u in model.units:
+        for p, shard, offset, (lo, hi) in zip(u.params, u.sharded, u.offsets, u.ranges):
+            first = u.rank * u.shard_numel + lo - offset  # the element of p my shard starts at
+            stepped = p.requires_grad and hi > lo
+            tensors = {"param": (first, shard), **({"master": (first, shard)} if stepped else {})}
+            out.append(checkpoint.FlatShard([(names[p], p.numel())], tensors, owned=(first, first + hi - lo),
+                                            optim=optimizer if stepped else None))
+    return out
 
 
 # ----------------------------------------------------------------------------- training
@@ -377,7 +368,7 @@ def build_model(args, env):
     """The GPT of `args` under ZeRO-3, built on the meta device and materialised, initialised and
     sharded one unit at a time: its weights equal GPT(cfg, seed)'s, yet no rank ever held them."""
     with torch.device("meta"):  # shapes only: not one byte of parameters yet
-        gpt = GPT(common.model_config(args), seed=None).to(common.working_dtype(args))
+        gpt = GPT(common.model_config(args), seed=None)  # fp32: the shards are the master weights
 
     def init_unit(module, prefix):  # ZeRO3 calls it for one unit at a time, memory in place
         if module is gpt:  # the root unit: GPT's own layers (lm_head.weight *is* wte.weight)
@@ -386,9 +377,10 @@ def build_model(args, env):
         else:  # a block gets the values it gets in GPT(cfg, seed): its generators are by name
             init_parameters(module, args.seed, args.n_layer, prefix=prefix)
 
-    return ZeRO3(gpt, torch.optim.AdamW, units=list(gpt.blocks), param_init_fn=init_unit,
-                 grad_clip=args.grad_clip, prefetch=bool(args.prefetch), device=env.device,
-                 param_groups=common.decay_groups(gpt, args.weight_decay), **common.adamw_kwargs(args))
+    # --precision bf16: gather, compute and reduce-scatter in bf16 (the ZeRO paper's 2 bytes)
+    policy = MixedPrecisionPolicy(param_dtype=common.working_dtype(args))
+    return ZeRO3(gpt, units=list(gpt.blocks), mp_policy=policy, param_init_fn=init_unit,
+                 prefetch=bool(args.prefetch), device=env.device)
 
 
 def main(argv=None):
@@ -396,10 +388,13 @@ def main(argv=None):
     env = common.init_distributed(args)
     with measure.PeakAlive() as init_memory:  # observed from outside: bytes held while building
         model = build_model(args, env)
-    run = measure.Run(args, env, "zero3", model.module, model, holders=[model])
+    # any optimizer, over my shards, as over FSDP2's (weight decay: the matrices' shards only)
+    optimizer = torch.optim.AdamW(common.decay_groups(model, args.weight_decay), **common.adamw_kwargs(args))
+    run = measure.Run(args, env, "zero3", model.module, optimizer, holders=[model])
     run.init_peak = init_memory.peak
     run.full_parameters = model.full_parameters  # the parameters are sharded: gather to compare
-    ckpt = checkpoint.Checkpointer(args, env, "zero3", model.module, model)  # --checkpoint-dir
+    ckpt = checkpoint.Checkpointer(args, env, "zero3", model.module,  # --checkpoint-dir
+                                   functools.partial(checkpoint_shards, model, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN
@@ -408,11 +403,13 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 x, y = common.get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # 1) gather 2) forward 3) free, unit by unit
-                loss.backward()  # 4) gather again 5) reduce-scatter into my grad shard, unit by unit
+                loss.backward()  # 4) gather again 5) reduce-scatter into my shards' .grad, unit by unit
                 losses.append(loss)
-            common.set_learning_rate(model.optim, args, step)  # --lr-schedule
-            model.step()  # 6) AdamW on my shard
-            model.zero_grad()
+            if args.grad_clip > 0:
+                model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce
+            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
+            optimizer.step()  # 6) AdamW on my shards
+            optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END
 

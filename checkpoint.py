@@ -11,7 +11,8 @@ parameter. So resuming at another world size is the same code as resuming at the
 DIR must be one directory that every rank sees: on several nodes, a shared filesystem.)
 
 A strategy says what it holds with one method, `checkpoint_shards(names) -> [FlatShard, ...]`
-(01-03: common.MixedPrecisionAdamW; 04, 05, 06: their own). On disk, DIR/step_000040/:
+(01-03: common.MixedPrecisionAdamW; 04, 05: their own), or one such function (06's, whose
+optimizer is the caller's). On disk, DIR/step_000040/:
     rank{r}.pt   rank r's ranges and RNG state        (torch.save; read with weights_only=True)
     meta.json    rank 0: config, step, world size, layout (who wrote which range), parameters
                  (each rank's RNG state is in its own file: every rank draws its own numbers)
@@ -67,7 +68,7 @@ def _pieces(params, a, b):
 
 def _shards(module, holder):
     names = {p: n for n, p in module.named_parameters()}  # a tied weight: its first name
-    shards = holder.checkpoint_shards(names)
+    shards = holder.checkpoint_shards(names) if hasattr(holder, "checkpoint_shards") else holder(names)
     packed = {n for s in shards for n, _ in s.params}
     for p, n in names.items():  # parameters the strategy replicates and no optimizer updates
         if n not in packed:      # (frozen ones in 04, 05): rank 0 writes them, every rank loads
@@ -322,7 +323,7 @@ class Checkpointer:
 
     strategy  the lesson's strategy name ("zero1"): a checkpoint of another lesson is refused
     module    the plain model (names and shapes: GPT's, so a checkpoint consolidates into GPT)
-    holder    the object whose checkpoint_shards(names) says what this rank holds
+    holder    the object whose checkpoint_shards(names) says what this rank holds, or that function
     """
 
     # the model's shape and precision, and the data stream (step k's batch is a function of the

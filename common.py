@@ -496,6 +496,21 @@ def grads_into_pieces(pieces, grad_shard, start, unused=()):
         piece.grad = None if p in unused else grad_shard[offset + lo - start:offset + hi - start]
 
 
+def clip_grad_norm_(grads, max_norm, device):
+    """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ over the whole model, of gradients
+    sharded across the ranks: each rank sums the squares of its own shards (padding is zero: it
+    adds nothing), one scalar all-reduce adds them up. Returns the total norm."""
+    norm_sq = torch.zeros((), device=device)
+    for g in grads:
+        norm_sq += g.float().pow(2).sum()
+    dist.all_reduce(norm_sq)
+    norm = norm_sq.sqrt()
+    clip_coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(clip_coef)
+    return norm
+
+
 class UsedParameters:
     """find_unused_parameters, DDP's flag, for 04-06: which parameters some rank's backward
     reached since the last step. mark(p) from p's gradient hook; unused() at the step (one
@@ -592,8 +607,9 @@ def decay_groups(module, weight_decay):
     reason). Over the module's parameters, each once, frozen ones too (04 and 05 make them the
     same on every rank); torch.optim takes the list as it is."""
     params = list({id(p): p for p in module.parameters()}.values())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    decayed = [len(getattr(p, "full_shape", p.shape)) >= 2 for p in params]  # (06's flat shards: their full shape)
+    return [{"params": [p for p, d in zip(params, decayed) if d], "weight_decay": weight_decay},
+            {"params": [p for p, d in zip(params, decayed) if not d], "weight_decay": 0.0}]
 
 
 def adamw_kwargs(args):

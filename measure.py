@@ -43,6 +43,8 @@ SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
 
 def theory_memory(strategy, psi, world, precision):
     """Bytes per rank for each model state, ZeRO paper Figure 1 / Table 1."""
+    if strategy in ("zero3", "torch_fsdp2"):  # FSDP2's convention: bf16 only in flight; at rest
+        precision = "fp32"  # fp32 shards (the master weights), fp32 gradient shards, 2 moments
     out = {}
     for key, b in STATE_BYTES[precision].items():
         out[key] = psi * b / world if key in SHARDED[strategy] else psi * b

@@ -46,8 +46,9 @@ KIB = 2 ** 10
 NAMES = {"01_vanilla_dp": "01 DP", "02_async_allreduce": "02 async", "03_buckets": "03 buckets",
          "04_zero1": "04 ZeRO-1", "05_zero2": "05 ZeRO-2", "06_zero3": "06 ZeRO-3"}
 # model-state categories, in stacking order, with one colour each in every figure
-CATEGORIES = [("params", "parameters (bf16)", "#4C72B0"), ("grads", "gradients (bf16)", "#DD8452"),
-              ("moments", "Adam moments (fp32)", "#55A868"), ("master_weights", "master weights (fp32)", "#8172B3"),
+CATEGORIES = [("params", "parameters (bf16; 06: fp32 shards)", "#4C72B0"),
+              ("grads", "gradients (bf16; 06: fp32 shards)", "#DD8452"),
+              ("moments", "Adam moments (fp32)", "#55A868"), ("master_weights", "master weights (fp32 copy)", "#8172B3"),
               ("other", "other buffers", "#937860")]
 COLLECTIVES = [("all_reduce", "all-reduce", "#4C72B0"), ("reduce_scatter", "reduce-scatter", "#DD8452"),
                ("all_gather", "all-gather", "#55A868")]

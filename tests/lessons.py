@@ -68,13 +68,18 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
     if lesson == "03":
         dp = load_lesson("03_buckets").BucketedDP(module, bucket_cap_mb=bucket_mb)
         return _Replicated(dp, module, grad_clip, lr, weight_decay=wd)
-    if lesson == "06":
-        z = load_lesson("06_zero3").ZeRO3(
-            module, kw.get("optimizer_class", torch.optim.AdamW), units=sharding_units(module),
-            grad_clip=grad_clip, prefetch=kw.get("prefetch", True), param_groups=common.decay_groups(module, wd),
-            find_unused_parameters=kw.get("find_unused", False),
-            **kw.get("optimizer_kwargs", adamw(lr)))
-        return _FullySharded(z, step=lambda: (z.step(), z.zero_grad()), full_parameters=z.full_parameters)
+    if lesson == "06":  # as FSDP2: the caller's optimizer over the shards, clipping by the model
+        z = load_lesson("06_zero3").ZeRO3(module, units=sharding_units(module), prefetch=kw.get("prefetch", True),
+                                          find_unused_parameters=kw.get("find_unused", False))
+        opt = kw.get("optimizer_class", torch.optim.AdamW)(common.decay_groups(z, wd),
+                                                           **kw.get("optimizer_kwargs", adamw(lr)))
+
+        def step():
+            if grad_clip > 0:
+                z.clip_grad_norm_(grad_clip)
+            opt.step()
+            opt.zero_grad()
+        return _FullySharded(z, step=step, full_parameters=z.full_parameters, opt=opt)
     if lesson == "fsdp2":
         return _fsdp2(module, grad_clip, lr, wd)
     if lesson in ("04", "05"):  # kw optimizer_class / optimizer_kwargs: e.g. SGD, which sees gradient scale
@@ -112,8 +117,8 @@ def sharding_units(module):
 class _FullySharded:
     """06 and PyTorch's FSDP2: parameters, gradients and optimizer state all sharded."""
 
-    def __init__(self, model, step, full_parameters):
-        self.model, self.step, self.full_parameters = model, step, full_parameters
+    def __init__(self, model, step, full_parameters, opt=None):
+        self.model, self.step, self.full_parameters, self.opt = model, step, full_parameters, opt
 
     def train_step(self, micro_batches):
         total = 0.0

@@ -87,8 +87,9 @@ close = functools.partial(harness.close, tol=TOL)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_meta_init_equals_single_process_model_exactly(world):
     for argv, key in [(ARGV, "init"), (BF16, "init_bf16")]:
+        # bf16 too: the shards at rest are fp32, the fp32 initial weights (FSDP2's convention)
         args = common.parse_args(argv)
-        ref = GPT(common.model_config(args), seed=args.seed).to(common.working_dtype(args))
+        ref = GPT(common.model_config(args), seed=args.seed)
         for rank_out in results(world):
             assert rank_out[key].keys() == dict(ref.named_parameters()).keys()
             for name, p in ref.named_parameters():  # the same generators, the same bits
@@ -176,21 +177,23 @@ def padded(n, world):
 @pytest.mark.parametrize("key", ["main", "no_prefetch", "bf16"])
 def test_memory_at_rest_and_peak_params(world, key):
     numels, _ = units(ARGV)
-    b = 2 if key == "bf16" else 4  # bytes per parameter and per gradient element
-    shard_bytes = sum(padded(n, world) // world for n in numels) * b  # Psi/N, plus padding
+    # At rest every model state is my shard, in fp32 whatever the precision (FSDP2's convention:
+    # the fp32 shards are the master weights); bf16 (2 bytes) only for the units gathered.
+    b = 2 if key == "bf16" else 4  # bytes per gathered element
+    shard_bytes = sum(padded(n, world) // world for n in numels) * 4  # Psi/N, plus padding
     root, largest_block = padded(numels[0], world) * b, max(padded(n, world) for n in numels[1:]) * b
     for rank, mem in enumerate(results(world)[0][key]["report"]["memory"]["per_rank"]):
         # at rest every model state is my shard and nothing else: exact bytes
         assert mem["params"] == shard_bytes
         assert mem["grads"] == shard_bytes
-        # AdamW keeps 2 fp32 moments (+ an fp32 master copy in bf16) of my *trainable* elements:
-        # padding gets no state, so the last rank, whose shard ends in padding, holds less
-        # (plus AdamW's step count: one fp32 scalar per tensor it updates, one per parameter
-        # that has elements in my shard: common.shard_pieces)
+        assert mem["master_weights"] == 0  # no copy: the optimizer updates the shards themselves
+        # AdamW keeps 2 fp32 moments of my *trainable* elements: padding gets no state, so the
+        # last rank, whose shard ends in padding, holds less (plus AdamW's step count: one fp32
+        # scalar per tensor it updates, one per parameter that has elements in my shard)
         mine = [min(max(n - rank * padded(n, world) // world, 0), padded(n, world) // world)
                 for n in numels]
         pieces = sum(held_pieces(unit, world, rank)[0] for unit in unit_params(ARGV))
-        assert mem["optimizer"] == sum(mine) * (8 if b == 4 else 12) + 4 * pieces
+        assert mem["optimizer"] == sum(mine) * 8 + 4 * pieces
         assert mem["other"] == 0
         # During the step: my shards, the root (its layers run first and last in forward, so it
         # stays gathered through each pass), the unit computing, and with prefetch the next one.

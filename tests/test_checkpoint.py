@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import checkpoint
 import common
-from harness import ROOT, lesson_file, reference, run_lesson, spawn
+from harness import ROOT, lesson_file, load_lesson, reference, run_lesson, spawn
 from lessons import build
 from model import GPT
 from toy import BATCH, make_toy, toy_batch
@@ -67,8 +67,9 @@ def refused(lesson, argv):
 # ----------------------------------------------------------------------------- the toy model
 def handles(lesson, trainer):
     """(module, holder): the plain model and the object whose checkpoint_shards() describes it."""
-    if lesson == "06":
-        return trainer.model.module, trainer.model
+    if lesson == "06":  # its optimizer is the caller's: the lesson's function takes both
+        return trainer.model.module, functools.partial(load_lesson("06_zero3").checkpoint_shards, trainer.model,
+                                                       trainer.opt)
     if lesson == "01":
         return trainer.module, trainer.opt
     return trainer.model, trainer.opt
@@ -108,7 +109,7 @@ def toy_saved(lesson, root):
 def snapshot(module, holder):
     """Every tensor a strategy holds (parameters, masters, Adam state), copied."""
     out = [t.detach().clone() for s in checkpoint._shards(module, holder) for _, t in s.tensors.values()]
-    optim = getattr(holder, "optim", None)
+    optim = getattr(holder, "optim", None) or holder.args[1]  # 06: checkpoint_shards(model, optimizer)
     return out + [v.clone() for state in optim.state.values() for v in state.values()]
 
 
@@ -296,7 +297,10 @@ def test_bf16_resume_is_exact_and_keeps_fp32_masters(root):
         sd = checkpoint.consolidate(step_dir(f"{root}/{lesson}/bf16", 6))
         # the fp32 masters, of which the bf16 weights are the rounding, not the bf16 weights
         assert all(torch.equal(sd[n].bfloat16(), p.bfloat16()) for n, p in full["params"].items())
-        assert any(not torch.equal(sd[n], p) for n, p in full["params"].items())
+        if lesson == "06_zero3":  # its parameters at rest ARE the fp32 masters (FSDP2's way)
+            assert all(torch.equal(sd[n], p) for n, p in full["params"].items())
+        else:  # 04, 05: bf16 parameters, fp32 masters beside them
+            assert any(not torch.equal(sd[n], p) for n, p in full["params"].items())
         # only the newest two complete checkpoints are kept (checkpoint.KEEP)
         assert sorted(os.listdir(f"{root}/{lesson}/bf16")) == ["step_000004", "step_000006"]
 

@@ -7,6 +7,9 @@ are compared after every step.
                 model.parameters()
     04, 05      against DDP + ZeroRedundancyOptimizer: the same four optimizers, an
                 lr_scheduler, and (04, 05) a state_dict() round trip mid-run
+    06          against FSDP2's fully_shard: the same four optimizers built over
+                model.parameters() (the shards), gradient clipping, fp32 and bf16 under a
+                MixedPrecisionPolicy (FSDP2's own object, passed to both)
 """
 import contextlib
 import copy
@@ -188,6 +191,101 @@ def test_state_dict_round_trip_continues_bitwise(world, lesson):
     for rank_out in sharded(world):
         for opt_name in OPTIMIZERS:
             same_every_step(rank_out[lesson, opt_name, "round_trip"], rank_out[lesson, opt_name, "plain"], exact=True)
+
+
+# ----------------------------------------------------------------------------- 06 vs FSDP2 fully_shard
+def fsdp_loop(model, opt, batches, clip, full_parameters):
+    """The loop, as written for FSDP2: any optimizer over model.parameters() (the shards),
+    micro-steps adding into the sharded gradients, clipping, then the step. The one other line
+    that differs is clipping: FSDP2's DTensor shards know they are shards, so
+    torch.nn.utils.clip_grad_norm_ reduces their norm; ours are plain tensors, so the model
+    clips (as FSDP1's FullyShardedDataParallel.clip_grad_norm_ does). Returns the parameters
+    after every step."""
+    after = []
+    for micro_batches in batches:
+        for x, y in micro_batches:
+            loss = model(x, y) / len(micro_batches)
+            loss.backward()
+        if clip is not None:
+            clip(model)
+        opt.step()
+        opt.zero_grad()
+        after.append(full_parameters(model))
+    return after
+
+
+CLIP = 0.5  # acts at every step: this GPT's gradient norms are about 1
+CLIPPED = ("sgd", "adamw")  # not plain SGD: clipping every step would hide a missing 1/N from it
+
+
+def fully_sharded_runs():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    ZeRO3 = load_lesson("06_zero3").ZeRO3
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def fsdp2(gpt, mp):
+        for block in gpt.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        return fully_shard(gpt, mesh=mesh, mp_policy=mp)
+    ways = {  # (build, clip, full parameters)
+        "fsdp2": (fsdp2, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP),
+                  lambda m: {n: p.full_tensor().detach().clone() for n, p in m.named_parameters()}),
+        "06": (lambda gpt, mp: ZeRO3(gpt, units=list(gpt.blocks), mp_policy=mp),  # the one line
+               lambda m: m.clip_grad_norm_(CLIP), lambda m: m.full_parameters())}
+    gpt, batches = gpt_and_batches()
+    policies = {"fp32": MixedPrecisionPolicy(),
+                "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    out = {}
+    for name, (build, clip, full) in ways.items():
+        for precision, mp in policies.items():
+            for opt_name, (cls, kw) in OPTIMIZERS.items():
+                model = build(copy.deepcopy(gpt), mp)
+                opt = cls(model.parameters(), **kw)
+                out[name, precision, opt_name] = fsdp_loop(model, opt, batches, clip if opt_name in CLIPPED else None,
+                                                           full)
+    return out
+
+
+@once
+def fully_sharded(world):
+    return spawn(world, fully_sharded_runs)
+
+
+# FSDP2 shards each parameter by rows, 06 cuts flat units: the same elementwise arithmetic, but
+# the reduce-scatter sums 4 ranks' values in an order set by where an element sits in the buffer,
+# and the clipping norm is summed in another order too: round-off, ~1e-7 relative. SGD's step is
+# proportional to the gradient, so round-off stays round-off (measured: <= 2e-7 of a parameter's
+# norm). Adam's step is about lr whatever the gradient's size, so where an element's gradient
+# nearly cancels, its round-off can move that element by a sizeable part of lr: compared
+# element by element Adam's runs stray at single elements (1.5e-6 where 1e-6 + 1e-5 |w| allows
+# 1.2e-6), so each parameter is held as a whole, to 1e-5 of its norm (measured <= 1.7e-6 in
+# fp32). In bf16 the gathered weights are the fp32 shards rounded to 8 bits: one fp32 ulp of
+# difference can round a weight to the neighbouring bf16 value (2^-8 of it), and from there the
+# two runs compute with different weights; Adam spreads that (measured at 4 ranks: 8.3e-4 of a
+# parameter's norm), SGD does not (1.2e-7). Hence 5e-3 for Adam in bf16, still far below what a
+# stale, missing or misplaced shard does (the order of the weights themselves). The key bias:
+# as above (its exact gradient is 0). At 2 ranks every run here agrees to <= 1.3e-7.
+FSDP2_RTOL = {"fp32": 1e-5, "bf16": 1e-5, "bf16 adam": 5e-3}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fsdp2_loop_runs_06_with_one_line_changed(world, precision):
+    for rank_out in fully_sharded(world):
+        for opt_name in OPTIMIZERS:
+            got, want = rank_out["06", precision, opt_name], rank_out["fsdp2", precision, opt_name]
+            rtol = FSDP2_RTOL.get(f"{precision} {opt_name[:4]}", FSDP2_RTOL[precision])
+            assert len(got) == len(want) == STEPS
+            for step, (g, w) in enumerate(zip(got, want)):
+                g, w = key_bias_apart(g), key_bias_apart(w)
+                assert g.keys() == w.keys()
+                for name in w:
+                    where = f"{opt_name} step {step} {name}"
+                    if name.endswith("[key]"):
+                        torch.testing.assert_close(g[name], w[name], rtol=0, atol=2 * ADAM_LR * (step + 1), msg=where)
+                    else:
+                        assert (g[name] - w[name]).norm() <= rtol * w[name].norm(), where
 
 
 # ----------------------------------------------------------------------------- the learning-rate schedule

@@ -194,29 +194,36 @@ def first_step_gradients(lesson, argv):
     if lesson == "05_zero2":
         model = common.build_model(args, env)
         opt = load_lesson(lesson).ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, **common.adamw_kwargs(args))
-        pieces = [(b.params, [b.offsets[p][0] for p in b.params], ps, b.numel_padded)
-                  for b, ps in zip(opt.grad_buckets.buckets, opt.pieces)]
-        inner, names = opt.optim, model
-    else:
-        z = load_lesson(lesson).build_model(args, env)
-        pieces = [(u.params, u.offsets, u.pieces, u.numel_padded) for u in z.units]
-        model, opt, inner, names = z, z, z.optim, z.module
+        # (params, their flat offsets, [(elements lo .. hi of my shard, their gradient)], numel_padded)
+        layouts = [(b.params, [b.offsets[p][0] for p in b.params], ps, b.numel_padded)
+                   for b, ps in zip(opt.grad_buckets.buckets, opt.pieces)]
+        names = model
+    else:  # 06: the caller's optimizer steps the shards; backward leaves their gradients
+        model = load_lesson(lesson).build_model(args, env)
+        opt, names = torch.optim.AdamW(model.parameters()), model.module
     grads = {}
 
     def capture():  # instead of the first optimizer step
-        for params, offsets, held, numel_padded in pieces:
+        if lesson == "06_zero3":
+            held = [(u.params, u.offsets, [(lo, hi, s.grad) for s, (lo, hi) in zip(u.sharded, u.ranges)
+                                           if s.grad is not None], u.numel_padded) for u in model.units]
+        else:
+            start = lambda n: env.rank * (n // env.world_size)  # noqa: E731 (my shard's first flat element)
+            held = [(params, offsets, [(offset + lo - start(n), offset + hi - start(n), piece.grad)
+                                       for p, offset, lo, hi, piece in pieces], n) for params, offsets, pieces, n in layouts]
+        for params, offsets, pieces, numel_padded in held:
             shard = torch.zeros(numel_padded // env.world_size)
-            start = env.rank * shard.numel()
-            for p, offset, lo, hi, piece in held:  # what the optimizer steps: common.shard_pieces
-                shard[offset + lo - start:offset + hi - start] = piece.grad
+            for lo, hi, grad in pieces:  # what the optimizer steps, placed in my shard
+                shard[lo:hi] = grad
             flat = torch.empty(numel_padded)
             dist.all_gather_into_tensor(flat, shard)
-            for p, start in zip(params, offsets):
-                grads[p] = flat[start:start + p.numel()].view(p.shape).clone()
+            for p, offset in zip(params, offsets):
+                grads[p] = flat[offset:offset + p.numel()].view(p.shape).clone()
+    inner = opt.optim if lesson == "05_zero2" else opt
     inner.step = capture
     for micro in range(args.grad_accum):
         x, y = common.get_batch(args, env, 0, micro)
-        (model(x, y) / args.grad_accum).backward()  # (05's reduce-scatters end inside it)
+        (model(x, y) / args.grad_accum).backward()  # (05's and 06's reduce-scatters end inside it)
     opt.step()
     return {name: grads[p] for name, p in names.named_parameters()}
 
