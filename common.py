@@ -496,6 +496,7 @@ def grads_into_pieces(pieces, grad_shard, start, unused=()):
         piece.grad = None if p in unused else grad_shard[offset + lo - start:offset + hi - start]
 
 
+@torch.no_grad()
 def clip_grad_norm_(grads, max_norm, device):
     """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ over the whole model, of gradients
     sharded across the ranks: each rank sums the squares of its own shards (padding is zero: it

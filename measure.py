@@ -404,6 +404,16 @@ class _PeakParams(TorchDispatchMode):
         self.sample(str(func))
         return out
 
+    def optimizer_begins(self):
+        """From optimizer.step() to the end of the step is the optimizer's phase, and so is what
+        ran between the last backward and it (clipping, say)."""
+        if any(s[2] == "backward" for s in self.timeline):
+            for s in reversed(self.timeline):
+                if s[2] != "forward":
+                    break
+                s[2] = "optimizer"
+        self.in_optimizer = True
+
 
 class PeakAlive(TorchDispatchMode):
     """The most bytes held at once by tensors created while it is active, sampled after every
@@ -515,11 +525,8 @@ class Run:
 
         def step_with_sample(*a, **k):
             self.memory = self.ledger.measure()
-            probe.in_optimizer = True
-            try:
-                return original(*a, **k)
-            finally:
-                probe.in_optimizer = False
+            probe.optimizer_begins()
+            return original(*a, **k)
 
         self.optimizer.step = step_with_sample
         probe = _PeakParams(self.ledger)
