@@ -7,6 +7,9 @@ flat buffer (`bucket.py`), so one all-reduce moves them all; it starts once its 
 been accumulated, so communication still overlaps backward. Same bytes as 01 and 02, far fewer
 calls (on a 2-core CPU with gloo, 53 per-parameter all-reduces took 57 ms, one 25 MB bucket
 4 ms). This is what PyTorch's DistributedDataParallel does (`bucket_cap_mb=25` by default).
+Bucket 0, which holds the last layers (their gradients come first), is capped at 1 MiB, as
+DDP's (`_DEFAULT_FIRST_BUCKET_BYTES`): with one 25 MiB bucket a small model's all-reduce would
+start only when backward is over, with nothing left to overlap it with.
 
     python 03_buckets.py                                  # one process (world size 1)
     torchrun --nproc_per_node=2 03_buckets.py             # 2 ranks on CPU (gloo)
@@ -30,7 +33,7 @@ class BucketedDP(common.Replicated):
     is full; `finish_gradient_synchronization()` waits for them all when backward is over.
     Shaped like `DistributedDataParallel(module, bucket_cap_mb=...)` (common.Replicated)."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1):
         super().__init__(module)
         self.world_size = dist.get_world_size()
         # Ranks may start from different random weights: make rank 0's the truth.
@@ -44,7 +47,8 @@ class BucketedDP(common.Replicated):
         # bucket fills first: ranks match collectives by the order they are issued, not by name,
         # so a rank launching bucket 1 while another launches bucket 0 would add unrelated
         # gradients together (or hang, if the sizes differ).
-        self.buckets = BucketManager(module.parameters(), bucket_cap_mb, self._launch)
+        self.buckets = BucketManager(module.parameters(), bucket_cap_mb, self._launch,
+                                     first_bucket_cap_mb=first_bucket_cap_mb)  # bucket 0: starts early
         # The same event as 02 (after accumulation, passed the parameter; see 02 for why).
         for p in module.parameters():  # a tied parameter is yielded once
             if p.requires_grad:  # frozen parameters have no gradient and no place in a bucket

@@ -56,6 +56,8 @@ class BucketManager:
 
     params          the parameters whose gradients are bucketed (frozen ones are skipped)
     bucket_cap_mb   a bucket is closed before it would exceed this many MiB of gradients
+    first_bucket_cap_mb  a smaller cap for bucket 0 (None: the same): its collective can then
+                    start early in backward, not only once a whole 25 MiB bucket is full
     launch          launch(bucket) -> async work handle: the collective, chosen by the user
     grads_as_views  True (03): each `p.grad` IS a view of its bucket's buffer, allocated once,
                     so autograd accumulates straight into the buffer, no copies (from a
@@ -70,16 +72,18 @@ class BucketManager:
     """
 
     def __init__(self, params, bucket_cap_mb: float, launch: Callable, grads_as_views=True,
-                 pad_to: int = 1, on_done: Optional[Callable] = None, max_in_flight: Optional[int] = None):
+                 pad_to: int = 1, on_done: Optional[Callable] = None, max_in_flight: Optional[int] = None,
+                 first_bucket_cap_mb: Optional[float] = None):
         unique = list({id(p): p for p in params if p.requires_grad}.values())  # tied: once
         self.launch_fn, self.on_done, self.grads_as_views = launch, on_done, grads_as_views
         self.max_in_flight = max_in_flight
         self.buckets = []
-        cap = bucket_cap_mb * 2 ** 20
+        first_cap = bucket_cap_mb if first_bucket_cap_mb is None else min(first_bucket_cap_mb, bucket_cap_mb)
         group, size = [], 0
         # Reverse registration order: backward produces the last layers' gradients first, so
         # the first bucket fills first and its collective starts earliest.
         for p in reversed(unique):
+            cap = (bucket_cap_mb if self.buckets else first_cap) * 2 ** 20
             nbytes = p.numel() * p.element_size()  # the gradient's real element size
             # A flat buffer has one dtype and one device: a change of either closes the bucket.
             if group and (size + nbytes > cap or (p.dtype, p.device) != (group[0].dtype, group[0].device)):

@@ -38,7 +38,7 @@ SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
            # PyTorch's counterparts, run by scripts/torch_reference.py for the benchmark
            "torch_ddp": (), "torch_zero_redundancy": ("optimizer",),
            "torch_fsdp2_noreshard": ("optimizer", "grads"),
-           "torch_fsdp2": ("optimizer", "grads", "params")}
+           "torch_fsdp2": ("optimizer", "grads", "params"), "torch_local": ()}
 
 
 def theory_memory(strategy, psi, world, precision):
@@ -71,7 +71,7 @@ def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1):
     reduce-scatters at each (3 K Psi): no rank holds a whole gradient to accumulate into."""
     k = grad_accum
     elems = {"zero2": (k + 1) * psi, "zero3": 3 * k * psi, "torch_fsdp2": 3 * k * psi,
-             "torch_fsdp2_noreshard": (k + 1) * psi}.get(strategy, 2 * psi)
+             "torch_fsdp2_noreshard": (k + 1) * psi, "torch_local": 0}.get(strategy, 2 * psi)
     return elems * (world - 1) / world * STATE_BYTES[precision]["params"]
 
 

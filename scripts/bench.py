@@ -6,7 +6,9 @@
 Step times on a shared 2-core machine drift by +-25 % over minutes, so every round runs every
 variant once, in the same order, and we report the median over rounds of each run's median
 step time (warm-up steps dropped), the spread (min-max of the round medians), and each
-lesson's ratio to its PyTorch counterpart measured in the same rounds.
+lesson's ratio to its PyTorch counterpart measured in the same rounds, and to "local": the same
+ranks training with no communication at all (each its own rows), the limit data parallelism
+can reach on this machine ("/ limit").
 
 Per run also: tokens/s; the bytes each rank's process wrote on the wire per step (gloo over
 TCP, read from /proc on Linux: the one meter that sees DDP's and FSDP2's collectives too, which
@@ -30,13 +32,17 @@ from runs import ROOT, available_lessons, launch, mib
 COUNTERPART = {"01_vanilla_dp": "ddp", "02_async_allreduce": "ddp", "03_buckets": "ddp",
                "04_zero1": "zero_redundancy", "05_zero2": "fsdp2_noreshard", "06_zero3": "fsdp2"}
 LABEL = {"ddp": "DDP", "zero_redundancy": "DDP + ZeroRedundancyOptimizer",
-         "fsdp2_noreshard": "FSDP2 (reshard_after_forward=False)", "fsdp2": "FSDP2 fully_shard"}
+         "fsdp2_noreshard": "FSDP2 (reshard_after_forward=False)", "fsdp2": "FSDP2 fully_shard",
+         "local": "local (no communication)"}
 CONFIGS = {
     # the lessons' default GPT: 809,728 parameters in 52 tensors
     "default": [],
     # many small parameters: 16 thin blocks, 196 tensors of ~2.7k elements: per-call latency dominates
     "many-small": ["--n-layer", "16", "--d-model", "32", "--n-head", "2", "--seq-len", "32",
                    "--global-batch", "32"],
+    # about 10M parameters (10,690,176 in 28 tensors... of which the embeddings are few):
+    # compute per step grows faster than the bytes sent, so overlap has room to hide them
+    "10M": ["--n-layer", "6", "--d-model", "384", "--seq-len", "128"],
 }
 
 
@@ -47,7 +53,7 @@ QUICK = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16"
 
 
 def variants(lessons):
-    out = []
+    out = [("torch", "local")]
     for lesson in lessons:
         ref = COUNTERPART[lesson]
         if ("torch", ref) not in out:
@@ -91,6 +97,7 @@ def summarize(todo, medians, info):
             # ratio of the medians, and each round's ratio (same round: the same minutes)
             "vs_pytorch": None if kind == "torch" else med / statistics.median(medians[ref]),
             "vs_pytorch_rounds": None if kind == "torch" else [a / b for a, b in zip(medians[v], medians[ref])],
+            "vs_limit": med / statistics.median(medians[("torch", "local")]),
             "tokens_per_s": report["config"]["global_batch"] * report["config"]["seq_len"] / med,
             "wire_bytes_per_step": max(wire) if wire else None,
             # what the lesson's own collectives add up to, ring-counted (PyTorch's are not seen: C++)
@@ -106,15 +113,16 @@ def table_for(config, summary):
     """A markdown table: median step time, spread, ratio to the PyTorch counterpart, tokens/s,
     bytes sent and held per rank."""
     rows = [f"\n**{config}** (Psi = {summary['n_params']:,} parameters)\n",
-            "| run | median step (ms) | spread (ms) | vs PyTorch | tokens/s | sent MiB/rank/step "
+            "| run | median step (ms) | spread (ms) | / limit | vs PyTorch | tokens/s | sent MiB/rank/step "
             "| held MiB/rank | peak RSS MiB/rank |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["runs"]:
         lo, hi = r["spread_s"]
         sent = "" if r["wire_bytes_per_step"] is None else f"{mib(r['wire_bytes_per_step']):.2f}"
         rss = "" if r["max_rss"] is None else f"{mib(r['max_rss']):.0f}"
         ratio = "" if r["vs_pytorch"] is None else f"{r['vs_pytorch']:.2f}x"
-        rows.append(f"| {r['run']} | {1e3 * r['median_s']:.1f} | {1e3 * lo:.1f}-{1e3 * hi:.1f} | {ratio} "
+        rows.append(f"| {r['run']} | {1e3 * r['median_s']:.1f} | {1e3 * lo:.1f}-{1e3 * hi:.1f} "
+                    f"| {r['vs_limit']:.2f}x | {ratio} "
                     f"| {r['tokens_per_s']:,.0f} | {sent} | {mib(r['state_bytes']):.2f} | {rss} |")
     return "\n".join(rows)
 

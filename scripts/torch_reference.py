@@ -3,6 +3,8 @@ benchmark compares like with like.
 
     torchrun --nproc_per_node=2 scripts/torch_reference.py --impl ddp
     --impl ddp | zero_redundancy (DDP + ZeroRedundancyOptimizer) | fsdp2_noreshard | fsdp2
+           | local (no communication at all: each rank trains its own rows, the limit of data
+             parallelism on this machine)
 """
 import os
 import sys
@@ -18,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import common  # noqa: E402
 import measure  # noqa: E402
 
-IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2")
+IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2", "local")
 
 
 class _ClippedStep:
@@ -38,8 +40,8 @@ class _ClippedStep:
 
 def build(impl, model, args, env):
     """Wrap `model` as PyTorch does it; returns (module to call, optimizer with step/zero_grad)."""
-    if impl == "ddp":
-        wrapped = DDP(model, bucket_cap_mb=args.bucket_mb)
+    if impl in ("ddp", "local"):
+        wrapped = DDP(model, bucket_cap_mb=args.bucket_mb) if impl == "ddp" else model
         return wrapped, common.MixedPrecisionAdamW(common.decay_groups(model, args.weight_decay), args.grad_clip,
                                                    **common.adamw_kwargs(args))
     if impl == "zero_redundancy":

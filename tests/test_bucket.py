@@ -53,6 +53,33 @@ def cap_of(elements, element_size=4):
 
 
 # ----------------------------------------------------------------------------- assignment
+def test_a_smaller_first_bucket_then_the_cap():
+    # DDP's way (03): bucket 0 is capped at 1 MiB so its collective starts early in backward;
+    # the rest fill buckets of the full cap. 2^17 fp32 elements are 0.5 MiB.
+    half = 2 ** 17
+    ps = params(half, half, half, half, half)  # 2.5 MiB, registration order 0..4
+    m = BucketManager(ps, 25, Recorder().launch, first_bucket_cap_mb=1)
+    assert layout(m, ps) == [[4, 3], [2, 1, 0]]  # 1 MiB (closed before it would exceed), 1.5 MiB
+    m = BucketManager(ps, cap_of(half), Recorder().launch, first_bucket_cap_mb=1)
+    assert layout(m, ps) == [[4], [3], [2], [1], [0]]  # a cap below 1 MiB caps bucket 0 too
+    assert layout(BucketManager(ps, 25, Recorder().launch), ps) == [[4, 3, 2, 1, 0]]  # None: one cap
+
+
+def bucket_bytes_of_03_on_the_default_gpt():
+    """In a spawned rank: the bucket sizes 03's main() gets on the lessons' default GPT."""
+    import common
+    args = common.parse_args([])
+    model = common.GPT(common.model_config(args), seed=None)
+    return [b.nbytes() for b in load_lesson("03_buckets").BucketedDP(model).buckets.buckets], \
+        max(p.numel() * 4 for p in model.parameters())
+
+
+def test_03_caps_its_first_bucket_at_1_mib_as_ddp():
+    from harness import spawn
+    sizes, largest = spawn(1, bucket_bytes_of_03_on_the_default_gpt)[0]
+    assert len(sizes) == 2 and MIB - largest < sizes[0] <= MIB  # 1 MiB, then the rest (2.1 MiB)
+
+
 def test_reverse_registration_order():
     # backward produces the last layer's gradients first: they go first, into bucket 0
     ps = params(1, 2, 3)
