@@ -15,6 +15,15 @@ Conventions (those of nccl-tests, so numbers compare with what GPU papers quote)
 Also measured: wire bytes, what each rank's process actually wrote while the collective ran
 (Linux /proc/self/io, see measure.bytes_written). A ring needs the busbw factor x S; a backend
 that sends more than that shows it here, whatever its timing.
+
+    torchrun --nproc_per_node=2 scripts/bandwidth.py --contention     # can overlap pay here?
+
+--contention asks whether a collective in flight steals the compute it is meant to hide behind
+(gloo moves the bytes on a thread of its own, which needs a core). Per size: a compute about as
+long as the all-reduce (matmuls, this rank's one thread) timed alone; the all-reduce alone; and
+the two at once, the all-reduce issued async just before the compute and waited on after it.
+With a core to spare the pair takes max(compute, comm) and the compute does not slow down; with
+none it takes up to their sum and the compute slows by what the communication thread took.
 """
 import argparse
 import json
@@ -76,18 +85,65 @@ def measure(op, size, reps):
             "wire_bytes_per_rank": wires}
 
 
+def contention(size, reps):
+    """Medians (s) over `reps`, slowest rank each time: compute alone, all-reduce alone, and
+    both at once (total, and the compute's own time within it)."""
+    full, a = torch.ones(size // 4), torch.randn(128, 128)
+
+    def timed(fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        inner = fn()
+        t = torch.tensor([time.perf_counter() - t0, inner or 0.0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def compute(k):
+        for _ in range(k):
+            a @ a
+
+    def both(k):
+        work = dist.all_reduce(full, async_op=True)
+        t0 = time.perf_counter()
+        compute(k)
+        inner = time.perf_counter() - t0
+        work.wait()
+        return inner
+
+    comm = statistics.median(timed(lambda: dist.all_reduce(full))[0] for _ in range(reps))
+    unit = statistics.median(timed(lambda: compute(10))[0] for _ in range(reps)) / 10
+    k = max(1, round(comm / unit))  # a compute as long as the all-reduce
+    alone = statistics.median(timed(lambda: compute(k))[0] for _ in range(reps))
+    pairs = [timed(lambda: both(k)) for _ in range(reps)]
+    total, inner = (statistics.median(x) for x in zip(*pairs))
+    return {"bytes": size, "comm_s": comm, "compute_s": alone, "together_s": total, "compute_within_s": inner,
+            # 1: the pair took max(comm, compute), fully hidden; 0: their sum, nothing hidden
+            "hidden": (comm + alone - total) / min(comm, alone), "compute_slowdown": inner / alone}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="three sizes, fewer repetitions (tests)")
     p.add_argument("--sizes", type=int, nargs="+", help="bytes (multiples of 4 x world size)")
     p.add_argument("--report", help="write the results as JSON (rank 0)")
     p.add_argument("--device", choices=["cpu"], default="cpu", help="gloo on CPU (the only one measured here)")
+    p.add_argument("--contention", action="store_true", help="compute alone, all-reduce alone, both at once")
     a = p.parse_args()
     env = common.init_distributed(common.parse_args(["--device", a.device]))
     sizes = a.sizes or (QUICK_SIZES if a.quick else SIZES)
     if any(s % (4 * env.world_size) for s in sizes):
         common.fail(f"every size must be a multiple of 4 x {env.world_size} bytes")
     results = []
+    if a.contention:
+        torch.set_num_threads(1)  # one thread per rank, as the lessons run
+        for size in [s for s in sizes if s >= 64 * KIB]:
+            r = contention(size, repetitions(size, a.quick))
+            results.append(r)
+            if env.master:
+                print(f"all_reduce {size / KIB:>9.0f} KiB | alone {r['comm_s'] * 1e3:7.2f} ms | compute alone "
+                      f"{r['compute_s'] * 1e3:7.2f} ms | both {r['together_s'] * 1e3:7.2f} ms | hidden "
+                      f"{r['hidden']:5.0%} | compute slowed {r['compute_slowdown']:.2f}x", flush=True)
+        sizes = []
     for size in sizes:
         for op in ("all_reduce", "reduce_scatter", "all_gather"):
             r = measure(op, size, repetitions(size, a.quick))

@@ -54,25 +54,37 @@ def _report(psi, sent, held, rss):
 
 
 def test_bench_writes_table_json_and_plot(tmp_path, monkeypatch):
-    times = {"torch": 0.1, "lesson": 0.05, "lesson-noprefetch": 0.08}
+    times = {"torch": 0.1, "lesson": 0.05, "lesson-noprefetch": 0.08, "local": 0.04}
     monkeypatch.setattr(bench, "run_one", lambda kind, name, nproc, steps, extra:
-                        (times[kind], _report(1000, 2 ** 20, 16 * 2 ** 20, 300 * 2 ** 20)))
+                        (times["local" if name == "local" else kind], _report(1000, 2 ** 20, 16 * 2 ** 20, 300 * 2 ** 20)))
     monkeypatch.setattr(sys, "argv", ["bench.py", "--rounds", "2", "--lessons", "03_buckets", "06_zero3",
                                       "--out", str(tmp_path)])
     bench.main()
     doc = json.loads((tmp_path / "bench.json").read_text())
     runs = {r["run"]: r for r in doc["configs"]["default"]["runs"]}
-    assert list(runs) == ["DDP", "03_buckets", "FSDP2 fully_shard", "06_zero3", "06_zero3 --prefetch 0"]
+    assert list(runs) == ["local (no communication)", "DDP", "03_buckets", "FSDP2 fully_shard", "06_zero3",
+                          "06_zero3 --prefetch 0"]
+    assert runs["03_buckets"]["vs_limit"] == pytest.approx(1.25) and runs["local (no communication)"]["vs_limit"] == 1
     assert runs["03_buckets"]["vs_pytorch"] == 0.5 and runs["06_zero3 --prefetch 0"]["vs_pytorch"] == pytest.approx(0.8)
     assert runs["DDP"]["vs_pytorch"] is None and runs["DDP"]["round_medians_s"] == [0.1, 0.1]
     r = runs["03_buckets"]
     assert r["tokens_per_s"] == 16 * 64 / 0.05
     assert r["wire_bytes_per_step"] == 2 ** 20 + 100  # every rank's maximum
     assert r["state_bytes"] == 16 * 2 ** 20 and r["max_rss"] == 301 * 2 ** 20
-    assert list(doc["configs"]) == ["default", "many-small"]  # many-small: 01-03 only
-    assert [r["run"] for r in doc["configs"]["many-small"]["runs"]] == ["DDP", "03_buckets"]
+    assert list(doc["configs"]) == ["default", "many-small", "10M"]  # many-small: 01-03 only
+    assert [r["run"] for r in doc["configs"]["many-small"]["runs"]] == ["local (no communication)", "DDP", "03_buckets"]
     table = (tmp_path / "bench.md").read_text()
-    for column in ("vs PyTorch", "tokens/s", "sent MiB/rank/step", "held MiB/rank", "peak RSS MiB/rank"):
+    for column in ("/ limit", "vs PyTorch", "tokens/s", "sent MiB/rank/step", "held MiB/rank", "peak RSS MiB/rank"):
         assert column in table
-    assert "| 03_buckets | 50.0 | 50.0-50.0 | 0.50x | 20,480 | 1.00 | 16.00 | 301 |" in table
+    assert "| 03_buckets | 50.0 | 50.0-50.0 | 1.25x | 0.50x | 20,480 | 1.00 | 16.00 | 301 |" in table
     assert (tmp_path / "bench.png").stat().st_size > 20_000
+
+
+def test_the_local_limit_trains_each_rank_alone_with_no_collective():
+    # The benchmark's "local" run: the same loop with no communication at all. Each rank then
+    # trains its own rows only (its weights drift apart from the other rank's); it issues no
+    # collective in the measured step.
+    from runs import launch
+    report = launch("scripts/torch_reference", 2, ["--impl", "local", "--steps", "3", "--n-layer", "1",
+                                                   "--d-model", "32", "--n-head", "2", "--seq-len", "16"])
+    assert report["comm"]["ops"] == {} and report["comm"]["theory_ring_bytes_per_step"] == 0
