@@ -33,11 +33,6 @@ class VanillaDP(common.Replicated):
 
     def __init__(self, module: nn.Module):
         super().__init__(module)
-        self.world_size = dist.get_world_size()
-        # Ranks may start from different random weights: make rank 0's the truth.
-        with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(tensor, src=0)
         # "After backward", without a call in the loop: a backward's first gradient queues
         # all_reduce_gradients to run once that backward is over, inside loss.backward(), as
         # DDP does (not in a no_sync() backward, which only accumulates).

@@ -29,11 +29,6 @@ class AsyncAllReduceDP(common.Replicated):
 
     def __init__(self, module: nn.Module):
         super().__init__(module)
-        self.world_size = dist.get_world_size()
-        # Ranks may start from different random weights: make rank 0's the truth.
-        with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(tensor, src=0)
         self.handles = []  # async all-reduces in flight, in launch order
         # Which autograd event: a post-accumulate-grad hook runs after autograd has added this
         # backward's gradient into p.grad, and it is passed the parameter, not a gradient. p.grad

@@ -35,11 +35,6 @@ class BucketedDP(common.Replicated):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1):
         super().__init__(module)
-        self.world_size = dist.get_world_size()
-        # Ranks may start from different random weights: make rank 0's the truth.
-        with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(tensor, src=0)
         # Each p.grad becomes a view of its bucket's buffer (grads_as_views, DDP's
         # gradient_as_bucket_view): autograd accumulates straight into the buffer, nothing is
         # copied in or out, and the buckets are the gradients' memory, not an extra copy of it.

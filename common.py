@@ -41,48 +41,52 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(description=""):
-    p = _Parser(description=description, allow_abbrev=False)
-    # run length and data
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
-    p.add_argument("--seed", type=int, default=0, help="model initialisation and data")
-    p.add_argument("--global-batch", type=int, default=16,
+    # RawDescriptionHelpFormatter: --help prints the lesson's docstring as written, launch
+    # commands and all, instead of reflowing it into one paragraph
+    p = _Parser(description=description, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data and model")
+    g.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    g.add_argument("--seed", type=int, default=0, help="model initialisation and data")
+    g.add_argument("--global-batch", type=int, default=16,
                    help="sequences per optimizer step, across all ranks and micro-steps")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=64)
-    # model
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    # optimisation
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.1,
+    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (the model's context)")
+    g.add_argument("--vocab-size", type=int, default=64, help="tokens in the synthetic language")
+    g.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    g.add_argument("--d-model", type=int, default=128, help="width of the residual stream")
+    g.add_argument("--n-head", type=int, default=4, help="attention heads (must divide --d-model)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--weight-decay", type=float, default=0.1,
                    help="AdamW's decoupled weight decay, on matrices and embeddings, not on biases and norms")
-    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+    g.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
                    help="cosine: from --lr down to --lr/10 at the last step, after the warm-up")
-    p.add_argument("--warmup-steps", type=int, default=0, metavar="K",
+    g.add_argument("--warmup-steps", type=int, default=0, metavar="K",
                    help="raise the learning rate linearly over the first K steps")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 turns it off")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    # communication
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap (03, 05, 06)")
-    p.add_argument("--prefetch", type=int, choices=[0, 1], default=1, help="06: prefetch next unit")
-    # checkpoints (checkpoint.py)
-    p.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 turns it off")
+    g.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: bf16 parameters, gradients and collectives, fp32 master weights and moments")
+    g = p.add_argument_group("communication")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (03, 05)")
+    g.add_argument("--prefetch", type=int, choices=[0, 1], default=1,
+                   help="06: all-gather the next unit while this one computes")
+    g = p.add_argument_group("checkpoints (checkpoint.py)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                    help="DIR/step_NNNNNN/: each rank's shard, meta.json, COMPLETE")
-    p.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps; 0 never")
-    p.add_argument("--resume", action="store_true",
+    g.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps; 0 never")
+    g.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir, at any world size")
-    # run-time
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a lost rank fails the run")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--measure-step", type=int, default=2,
+    g = p.add_argument_group("run-time and measurement")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA (nccl) when every rank on the node has a GPU, else CPU (gloo)")
+    g.add_argument("--timeout", type=float, default=120.0, help="seconds before a lost rank fails the run")
+    g.add_argument("--log-every", type=int, default=10, help="print the loss every K steps (rank 0)")
+    g.add_argument("--measure-step", type=int, default=2,
                    help="the step whose communication and memory are measured")
-    p.add_argument("--peak-params", type=int, choices=[0, 1], default=1,
+    g.add_argument("--peak-params", type=int, choices=[0, 1], default=1,
                    help="sample parameter bytes after every op of the measured step (slow); 0 skips")
-    p.add_argument("--report", metavar="PATH", default=None, help="write a JSON report (rank 0)")
-    p.add_argument("--trace", metavar="DIR", default=None,
+    g.add_argument("--report", metavar="PATH", default=None, help="write a JSON report (rank 0)")
+    g.add_argument("--trace", metavar="DIR", default=None,
                    help="profile the measured step: DIR/trace_rank{r}.json per rank, DIR/timeline.png")
     return p
 
@@ -543,15 +547,22 @@ def master_weights(p):
 # ----------------------------------------------------------------------------- DDP's shape (01-03)
 class Replicated(nn.Module):
     """What 01-03 share with `DistributedDataParallel`'s interface, so a loop written for DDP
-    runs them unchanged: `.module`, calling it runs the module, `require_backward_grad_sync`
-    and `no_sync()` (gradient accumulation), and at_end_of_backward(fn) to run `fn` once the
-    backward in progress is over, inside `loss.backward()`: the autograd engine's callback
-    queue, which DDP's reducer uses to finish its all-reduces. Not in a no_sync() backward."""
+    runs them unchanged: `.module`, rank 0's weights broadcast when built, calling it runs the
+    module, `require_backward_grad_sync` and `no_sync()` (gradient accumulation), and
+    at_end_of_backward(fn) to run `fn` once the backward in progress is over, inside
+    `loss.backward()`: the autograd engine's callback queue, which DDP's reducer uses to finish
+    its all-reduces. Not in a no_sync() backward."""
 
     def __init__(self, module):
         super().__init__()
         self.module = module
         self.require_backward_grad_sync = True
+        self.world_size = dist.get_world_size()
+        # Ranks may start from different random weights: make rank 0's the truth, as DDP does
+        # when it is built.
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor, src=0)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

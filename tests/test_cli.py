@@ -50,3 +50,16 @@ def test_batch_not_divisible_by_world_size_under_torchrun():
     assert ours == ["error: --global-batch 7 must be divisible by world size 2 x --grad-accum 1"], err
     assert "error (rank" not in err  # rank 1, stopped by torchrun, adds nothing of its own
     assert "03_buckets.py\", line" not in err  # no traceback from the lesson itself
+
+
+def test_help_keeps_the_launch_commands_and_explains_every_flag():
+    import common
+    doc = "Lesson: one line.\n\n    torchrun --nproc_per_node=2 x.py        # 2 ranks\n    python x.py     # one\n"
+    parser = common.build_parser(doc)
+    text = parser.format_help()
+    assert "    torchrun --nproc_per_node=2 x.py        # 2 ranks\n    python x.py     # one\n" in text
+    flags = [a for a in parser._actions if a.option_strings != ["-h", "--help"]]
+    assert flags and all(a.help for a in flags), [a.dest for a in flags if not a.help]
+    groups = [g.title for g in parser._action_groups if g._group_actions]
+    assert groups[-5:] == ["data and model", "optimisation", "communication", "checkpoints (checkpoint.py)",
+                           "run-time and measurement"]
