@@ -6,7 +6,8 @@
 - MemoryLedger walks the tensors a strategy and its optimizer actually hold and sums their
   storages (each storage once), by category. Sampled after every tensor operation of the
   measured step, it also finds the most parameter bytes alive at once (`peak_params`).
-- Run times every step, logs one line from rank 0, and writes the summary and JSON report.
+- Run times every step, logs one line from rank 0, and writes the summary and JSON report,
+  each measurement beside its formula from theory.py.
 Only `--measure-step` is measured, so the other steps run with nothing patched.
 """
 import inspect
@@ -24,80 +25,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
-
-# ----------------------------------------------------------------------------- theory
-# bytes per parameter of each model state (ZeRO paper, section 3.1): fp32 training keeps fp32
-# parameters, gradients and two Adam moments; bf16 mixed precision keeps bf16 parameters and
-# gradients plus K = 12 bytes of fp32 optimizer state (master weights and two moments).
-STATE_BYTES = {"fp32": {"params": 4, "grads": 4, "optimizer": 8},
-               "bf16": {"params": 2, "grads": 2, "optimizer": 12}}
-# which states each stage divides by N
-SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
-           "zero1": ("optimizer",), "zero2": ("optimizer", "grads"),
-           "zero3": ("optimizer", "grads", "params"),
-           # PyTorch's counterparts, run by scripts/torch_reference.py for the benchmark
-           "torch_ddp": (), "torch_zero_redundancy": ("optimizer",),
-           "torch_fsdp2_noreshard": ("optimizer", "grads"),
-           "torch_fsdp2": ("optimizer", "grads", "params"), "torch_local": ()}
-
-
-def theory_memory(strategy, psi, world, precision):
-    """Bytes per rank for each model state, ZeRO paper Figure 1 / Table 1."""
-    if strategy in ("zero3", "torch_fsdp2"):  # FSDP2's convention: bf16 only in flight; at rest
-        precision = "fp32"  # fp32 shards (the master weights), fp32 gradient shards, 2 moments
-    out = {}
-    for key, b in STATE_BYTES[precision].items():
-        out[key] = psi * b / world if key in SHARDED[strategy] else psi * b
-    out["peak_params"] = out["params"]  # ZeRO-3 adds the gathered units in flight
-    # of the optimizer state, the fp32 master weights: 4 of the K = 12 bytes in bf16; in fp32 the
-    # optimizer updates the parameters themselves
-    master = 4 * psi if precision == "bf16" else 0
-    out["master_weights"] = master / world if "optimizer" in SHARDED[strategy] else master
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    return out
-
-
-# ring factor: bytes one rank sends, per byte of the full-size tensor
-RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n,
-               "all_gather": lambda n: (n - 1) / n,
-               "broadcast": lambda n: (n - 1) / n}
-
-
-def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1):
-    """ZeRO paper section 7: 2 Psi elements per rank per step for DP, ZeRO-1 and ZeRO-2 (an
-    all-reduce, or a reduce-scatter plus an all-gather), 3 Psi for ZeRO-3; times (N-1)/N.
-    With K micro-steps, ZeRO-2 reduce-scatters at each ((K + 1) Psi) and ZeRO-3 gathers and
-    reduce-scatters at each (3 K Psi): no rank holds a whole gradient to accumulate into."""
-    k = grad_accum
-    elems = {"zero2": (k + 1) * psi, "zero3": 3 * k * psi, "torch_fsdp2": 3 * k * psi,
-             "torch_fsdp2_noreshard": (k + 1) * psi, "torch_local": 0}.get(strategy, 2 * psi)
-    return elems * (world - 1) / world * STATE_BYTES[precision]["params"]
-
-
-# ----------------------------------------------------------------------------- calculator
-# The ZeRO paper's Table 1 and Table 2 (scripts/zero_calc.py is the command line): model states
-# per device, mixed precision, 2 bytes of parameters + 2 of gradients + K of optimizer state.
-def model_state_bytes(stage, psi, world, k=12):
-    """Bytes per device at ZeRO `stage` (0 = plain DP, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p):
-    (2 + 2 + K) Psi, 4 Psi + K Psi / N, 2 Psi + (2 + K) Psi / N, (2 + 2 + K) Psi / N."""
-    return float(psi * _bytes_per_param(stage, world, k))
-
-
-def largest_model(memory_bytes, world, stage, k=12):
-    """The most parameters whose model states fit in `memory_bytes` per device at `stage` on
-    `world` devices (Table 2's "max theoretical model size"); exact, in rational arithmetic."""
-    from fractions import Fraction
-    return int(Fraction(memory_bytes) / _bytes_per_param(stage, world, k))
-
-
-def _bytes_per_param(stage, world, k):
-    from fractions import Fraction
-    if stage not in (0, 1, 2, 3) or world < 1:
-        raise ValueError(f"stage must be 0-3 and world at least 1, got stage {stage}, world {world}")
-    n, k = Fraction(world), Fraction(k)
-    return {0: 2 + 2 + k, 1: 2 + 2 + k / n, 2: 2 + (2 + k) / n, 3: (2 + 2 + k) / n}[stage]
-
+from theory import RING_FACTOR, theory_memory, theory_ring_bytes
 
 # ----------------------------------------------------------------------------- communication
 # name in torch.distributed -> (kind, name of the argument holding the full-size tensor); the

@@ -39,7 +39,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import common  # noqa: E402
-from measure import RING_FACTOR, bytes_written  # noqa: E402
+from measure import bytes_written  # noqa: E402
+from theory import RING_FACTOR  # noqa: E402
 
 KIB = 2 ** 10
 SIZES = [KIB * 4 ** i for i in range(9)]         # 1 KiB, 4 KiB, ..., 64 MiB
