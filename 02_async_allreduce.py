@@ -18,6 +18,7 @@ import torch.nn as nn
 
 import checkpoint
 import common
+import lifecycle
 import measure
 
 
@@ -102,4 +103,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    lifecycle.run_main(main)

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 import checkpoint
 import common
+import lifecycle
 import measure
 from bucket import BucketManager
 
@@ -105,4 +106,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    lifecycle.run_main(main)

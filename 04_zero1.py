@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import checkpoint
 import common
+import lifecycle
 import measure
 
 
@@ -212,4 +213,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    lifecycle.run_main(main)

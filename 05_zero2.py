@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import checkpoint
 import common
+import lifecycle
 import measure
 from bucket import BucketManager
 
@@ -239,4 +240,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    lifecycle.run_main(main)

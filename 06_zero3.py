@@ -51,6 +51,7 @@ import torch.nn as nn
 
 import checkpoint
 import common
+import lifecycle
 import measure
 from model import GPT, init_parameters
 
@@ -418,4 +419,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    lifecycle.run_main(main)

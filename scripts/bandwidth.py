@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import common  # noqa: E402
+import lifecycle  # noqa: E402
 from measure import bytes_written  # noqa: E402
 from theory import RING_FACTOR  # noqa: E402
 
@@ -133,7 +134,7 @@ def main():
     env = common.init_distributed(common.parse_args(["--device", a.device]))
     sizes = a.sizes or (QUICK_SIZES if a.quick else SIZES)
     if any(s % (4 * env.world_size) for s in sizes):
-        common.fail(f"every size must be a multiple of 4 x {env.world_size} bytes")
+        lifecycle.fail(f"every size must be a multiple of 4 x {env.world_size} bytes")
     results = []
     if a.contention:
         torch.set_num_threads(1)  # one thread per rank, as the lessons run
@@ -162,4 +163,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    lifecycle.run_main(main)

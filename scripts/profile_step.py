@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 WARMUP = 3
-OWN = ("0", "bucket.py", "common.py", "measure.py", "model.py")  # the project's files, by name
+OWN = ("0", "bucket.py", "common.py", "lifecycle.py", "measure.py", "model.py")  # the project's files, by name
 
 
 def load(name):
@@ -137,8 +137,8 @@ def main():
                os.path.abspath(__file__), *sys.argv[1:]]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         sys.exit(subprocess.run(cmd, cwd=ROOT, env=env).returncode)
-    import common
-    common.run_main(lambda: profile(a, lesson_argv))
+    import lifecycle
+    lifecycle.run_main(lambda: profile(a, lesson_argv))
 
 
 if __name__ == "__main__":

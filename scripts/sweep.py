@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed as dist  # noqa: E402
 
 import common  # noqa: E402
+import lifecycle  # noqa: E402
 import measure  # noqa: E402
 from runs import available_lessons  # noqa: E402
 
@@ -63,7 +64,7 @@ def regroup(world, rank, store, timeout):
     backend = dist.get_backend()  # the launch's: the lessons' device follows it
     dist.destroy_process_group()
     if rank >= world:
-        common.leaving_on_purpose(store, rank)  # (on NCCL the others watch every launched rank)
+        lifecycle.leaving_on_purpose(store, rank)  # (on NCCL the others watch every launched rank)
         return False
     os.environ["WORLD_SIZE"] = str(world)  # what common.parse_args checks the batch against
     dist.init_process_group(backend, store=dist.PrefixStore(f"sweep/world{world}", store),
@@ -101,21 +102,21 @@ def main():
                         "Default: all; with no names: none")
     ours, flags = p.parse_known_args()
     if "--report" in flags:
-        common.fail("--report is the sweep's own output; the lessons' reports are collected into it")
+        lifecycle.fail("--report is the sweep's own output; the lessons' reports are collected into it")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     worlds = sorted(set(ours.worlds or [launched]), reverse=True)
     if worlds[0] > launched or worlds[-1] < 1:
-        common.fail(f"--worlds {ours.worlds}: each must be between 1 and the {launched} ranks launched")
+        lifecycle.fail(f"--worlds {ours.worlds}: each must be between 1 and the {launched} ranks launched")
     lessons = available_lessons()
     runs = ours.lessons or [*lessons, *([NO_PREFETCH] if "06_zero3" in lessons else [])]
     extra = {}
     for world, *names in ours.at:
         if not world.isdigit() or int(world) not in worlds or not names:
-            common.fail(f"--at {world} ...: give one of the world sizes {worlds}, then runs")
+            lifecycle.fail(f"--at {world} ...: give one of the world sizes {worlds}, then runs")
         extra.setdefault(int(world), []).extend(names)
     for name in runs + [n for names in extra.values() for n in names]:
         if name.split()[0] not in lessons:
-            common.fail(f"no lesson {name.split()[0]!r}; available: {' '.join(lessons)}")
+            lifecycle.fail(f"no lesson {name.split()[0]!r}; available: {' '.join(lessons)}")
     # the lessons' own parser checks the shared flags once, up front: one line from rank 0 if bad
     args = common.parse_args(flags)
     env = common.init_distributed(args)
@@ -132,4 +133,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    lifecycle.run_main(main)

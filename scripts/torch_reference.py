@@ -18,6 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import common  # noqa: E402
+import lifecycle  # noqa: E402
 import measure  # noqa: E402
 
 IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2", "local")
@@ -66,7 +67,7 @@ def main(argv=None):
     rest = [a for a in argv if a not in ("--impl", impl)]
     args = common.parse_args(rest, description=__doc__)
     if args.precision != "fp32":
-        common.fail("the PyTorch references run in fp32 only")
+        lifecycle.fail("the PyTorch references run in fp32 only")
     env = common.init_distributed(args)
     model = common.build_model(args, env)
     psi = common.n_params(model)
@@ -92,4 +93,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    lifecycle.run_main(main)

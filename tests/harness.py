@@ -91,7 +91,7 @@ def _worker(rank, world, port, fn, args, out_dir):
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # see common.exit_process: avoids gloo's rare abort at interpreter exit
+    os._exit(code)  # see lifecycle.exit_process: avoids gloo's rare abort at interpreter exit
 
 
 # Ranks are forked from a server process that has imported torch once, and torch._dynamo, which

@@ -115,7 +115,7 @@ def test_killed_rank_is_named_by_the_survivor():
         t.join()
     code, seconds, err = result.pop("frozen")
     ours = [l for l in err.splitlines() if l.startswith("error (rank")]
-    # 10 s without a heartbeat (common.WATCHDOG_S), well before the 30 s gloo would wait
+    # 10 s without a heartbeat (lifecycle.WATCHDOG_S), well before the 30 s gloo would wait
     assert code == 1 and seconds < TIMEOUT_S * 0.75, (code, seconds, err)
     assert ours == ["error (rank 0): lost rank 1 (no heartbeat for 10 s); this rank stops too"], err
     code, seconds, err = result.pop("torchrun")

@@ -1,0 +1,186 @@
+"""A lesson's process under torchrun: a clean exit, one line per failure, a lost rank named.
+
+What no lesson is about, kept out of their way: run_main(main) runs a lesson's main() and
+turns an expected failure (a bad flag, a lost peer, a timeout) into one line per rank and a
+non-zero exit, never a traceback or a hang; exit_process() leaves without the interpreter
+teardown that sometimes aborts gloo; the heartbeat (started by common.init_distributed) lets a
+failing rank say which peer is gone, and on NCCL, where a collective waiting for a dead peer
+blocks in CUDA, lets every rank notice and stop by itself.
+"""
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+
+# ----------------------------------------------------------------------------- one line, then exit
+def say(line):
+    """One line to stderr in one write: ranks share torchrun's stderr, and print() may split a
+    line from its newline, gluing two ranks' lines together."""
+    sys.stderr.flush()
+    os.write(2, (line + "\n").encode())
+
+
+def fail(message, code=2):
+    """A clear one-line error from rank 0 and a non-zero exit from every rank."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        say(f"error: {message}")
+    else:  # let rank 0 speak first: torchrun stops the other ranks as soon as one exits, and
+        # then this rank has nothing to add (rank 0 said what was wrong)
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
+        time.sleep(2)
+    exit_process(code)
+
+
+# ----------------------------------------------------------------------------- the heartbeat
+# A dead peer shows up as "Connection closed by peer [address]" from the collective that needed
+# it: an address, not a rank, and on a ring every rank behind it fails the same way. To name the
+# lost rank, every rank bumps a counter in the rendezvous store (torchrun's agent, or rank 0)
+# once a second from a daemon thread; after a failure, a counter that stopped moving is a rank
+# that is gone. A rank that is alive but stuck in a collective keeps beating.
+# On NCCL no Python exception comes: a collective waiting for a dead peer blocks the main
+# thread in CUDA (where no signal handler runs either) until NCCL's own watchdog aborts the
+# process at --timeout, with no word on who was lost. So there the heartbeat thread also
+# watches the others' counters and, once one has stood still for WATCHDOG_S, names it and ends
+# this rank itself (DP_WATCHDOG=1 turns the watch on for gloo too: the tests use it).
+HEARTBEAT_S = 1.0
+WATCHDOG_S = 10.0
+_heartbeat = None
+
+
+def start_heartbeat(rank, watch=False, after_s=WATCHDOG_S):
+    global _heartbeat
+    if _heartbeat is not None and _heartbeat.is_alive():  # main() run again in one process (tests)
+        return
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    seen = {}  # rank -> (last counter value, when it last moved)
+
+    def lost_now():
+        now = time.monotonic()
+        for r in range(world):
+            count = store.add(f"heartbeat/{r}", 0)
+            if r not in seen or seen[r][0] != count:
+                seen[r] = (count, now)
+        return [r for r in range(world) if r != rank and now - seen[r][1] > after_s
+                and not store.check([f"stopping/{r}"]) and not store.check([f"done/{r}"])]
+
+    def beat():
+        while True:
+            try:
+                store.add(f"heartbeat/{rank}", 1)
+                lost = lost_now() if watch else []
+            except Exception:  # the store is gone: the failure path reports it
+                return
+            if lost and _claim_failure():
+                say(f"error (rank {rank}): lost rank {', '.join(map(str, lost))} (no heartbeat for "
+                    f"{after_s:.0f} s); this rank stops too")
+                _leave(1)
+            time.sleep(HEARTBEAT_S)
+
+    _heartbeat = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    _heartbeat.start()
+
+
+_failure = threading.Lock()  # held by the one thread that reports this rank's failure
+
+
+def _claim_failure():
+    """True for the first caller only: one line per rank, whichever thread sees the failure first
+    (a later one, a SIGTERM during the report included, returns False and leaves the exit to the
+    first)."""
+    return _failure.acquire(blocking=False)
+
+
+def lost_ranks(stopping=False):
+    """The ranks whose heartbeat stopped, watched for three beats; None if the store itself is
+    unreachable (then the rank or launcher that hosted it, rank 0's node, is the one lost).
+    stopping: this rank was told to stop (SIGTERM) and says so first, so that peers stopped
+    with it are not reported as lost when its heartbeat ends."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if stopping:
+            store.set(f"stopping/{dist.get_rank()}", "")
+        keys = [f"heartbeat/{r}" for r in range(dist.get_world_size())]
+        before = [store.add(k, 0) for k in keys]  # add 0: read a counter without blocking
+        time.sleep(3 * HEARTBEAT_S)
+        return [r for r, k in enumerate(keys)
+                if store.add(k, 0) == before[r] and not store.check([f"stopping/{r}"])]
+    except Exception:
+        return None
+
+
+def exit_process(code=0):
+    """Leave without running interpreter teardown.
+
+    On CPU with gloo about 4% of runs abort at interpreter exit ("terminate called without an
+    active exception") after training finished; ending with os._exit after flushing avoids it.
+    After a failure the group is not destroyed (that waits for peers, and one may be dead).
+    """
+    if dist.is_initialized() and code == 0:
+        try:
+            if dist.get_world_size() > 1:
+                leaving_on_purpose(dist.distributed_c10d._get_default_store(), dist.get_rank())
+            dist.destroy_process_group()
+        except Exception:  # a peer already gone: nothing left to tear down politely
+            pass
+    _leave(code)
+
+
+def leaving_on_purpose(store, rank):
+    """Tell the others' heartbeat watch that this rank's silence from now on is no failure."""
+    store.set(f"done/{rank}", "")
+
+
+def _leave(code):
+    """Flush and end the process now, from any thread. On NCCL the communicators are aborted
+    first, so no GPU kernel keeps waiting for a peer (a daemon thread: if even the abort hangs,
+    the process still ends after 5 s)."""
+    if code != 0 and dist.is_initialized() and dist.get_backend() == "nccl":
+        aborting = threading.Thread(target=dist.distributed_c10d._abort_process_group, daemon=True)
+        aborting.start()
+        aborting.join(5.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_main(main):
+    """Run a lesson's main(): a clean one-line error for expected failures, then a clean exit."""
+    def stopped(signum, frame):  # torchrun stops the other ranks with SIGTERM when one fails
+        if not _claim_failure():  # this rank is already naming the lost peer; it exits when done
+            return                # (torchrun waits 30 s before it sends SIGKILL)
+        # The heartbeats live in torchrun's store, which outlives its workers: name who is gone.
+        lost = lost_ranks(stopping=True) if dist.is_initialized() and dist.get_world_size() > 1 else None
+        why = (f"lost rank {', '.join(map(str, lost))} (no heartbeat for {3 * HEARTBEAT_S:.0f} s)" if lost
+               else "every rank is still beating, so the stop came from outside the job" if lost == []
+               else "most likely because another rank failed")
+        say(f"error (rank {os.environ.get('RANK', '0')}): stopped by the launcher (SIGTERM): {why}; "
+            "see the launcher's report")
+        _leave(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
+    try:
+        main()
+    except KeyboardInterrupt:
+        exit_process(130)
+    except Exception as e:  # e.g. a peer lost, a timeout: one line per rank, not a traceback
+        if os.environ.get("DP_DEBUG"):
+            raise
+        if not _claim_failure():  # the heartbeat thread is already reporting (and ending) this rank
+            while True:
+                time.sleep(1)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        rank = os.environ.get("RANK", "0")
+        collective = isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError)
+        if collective and dist.is_initialized() and dist.get_world_size() > 1:
+            lost = lost_ranks()  # a failed collective: say which peer is gone, if one is
+            if lost is None:
+                first = f"lost rank 0 (its rendezvous store is unreachable); {first}"
+            elif lost:
+                first = f"lost rank {', '.join(map(str, lost))} (no heartbeat for {3 * HEARTBEAT_S:.0f} s); {first}"
+        say(f"error (rank {rank}): {type(e).__name__}: {first} (DP_DEBUG=1 shows the traceback)")
+        exit_process(1)
+    exit_process(0)
