@@ -22,6 +22,7 @@ import torch.nn as nn
 
 import checkpoint
 import common
+import optimizers
 import lifecycle
 import measure
 
@@ -66,9 +67,9 @@ def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
     model = VanillaDP(common.build_model(args, env))
-    # weight decay on matrices and embeddings only (common.decay_groups, as nanoGPT)
-    optimizer = common.MixedPrecisionAdamW(common.decay_groups(model, args.weight_decay), args.grad_clip,
-                                           **common.adamw_kwargs(args))
+    # weight decay on matrices and embeddings only (optimizers.decay_groups, as nanoGPT)
+    optimizer = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
+                                           **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "vanilla_dp", model.module, optimizer, holders=[model])
     ckpt = checkpoint.Checkpointer(args, env, "vanilla_dp", model.module, optimizer)  # --checkpoint-dir
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
@@ -84,7 +85,7 @@ def main(argv=None):
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
                 loss.backward()  # ... and, at the last micro-step, all_reduce_gradients() at its end
                 losses.append(loss)
-            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)

@@ -17,12 +17,12 @@ start only when backward is over, with nothing left to overlap it with.
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 03_buckets.py    # 2 nodes, run on each
 """
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
 import common
+import optimizers
 import lifecycle
 import measure
 from bucket import BucketManager
@@ -77,9 +77,9 @@ def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
     model = BucketedDP(common.build_model(args, env), bucket_cap_mb=args.bucket_mb)
-    # weight decay on matrices and embeddings only (common.decay_groups, as nanoGPT)
-    optimizer = common.MixedPrecisionAdamW(common.decay_groups(model, args.weight_decay), args.grad_clip,
-                                           **common.adamw_kwargs(args))
+    # weight decay on matrices and embeddings only (optimizers.decay_groups, as nanoGPT)
+    optimizer = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
+                                           **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "buckets", model.module, optimizer, holders=[model])
     ckpt = checkpoint.Checkpointer(args, env, "buckets", model.module, optimizer)  # --checkpoint-dir
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
@@ -95,7 +95,7 @@ def main(argv=None):
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in the buckets
                 loss.backward()  # the hooks launch each bucket's all-reduce once it is full;
                 losses.append(loss)  # at its end, finish_gradient_synchronization() waits for all
-            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)

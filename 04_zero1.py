@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import checkpoint
 import common
+import optimizers
 import lifecycle
 import measure
 
@@ -43,7 +44,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     optimizer_class   any torch.optim optimizer (AdamW, Adam, SGD, ...), run over my shard only
     grad_clip         global-norm gradient clipping across all shards; 0 turns it off
     find_unused_parameters  as DDP's: a parameter no rank's backward reached is left alone by the
-                      optimizer, as one process leaves it (common.UsedParameters; costs a small
+                      optimizer, as one process leaves it (optimizers.UsedParameters; costs a small
                       all-reduce per step)
     **defaults        the optimizer's own arguments (lr, betas, momentum, ...)
 
@@ -56,7 +57,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, grad_clip=0.0, find_unused_parameters=False,
                  **defaults):
-        groups, frozen = common.param_groups(params)  # the caller's groups, each parameter once
+        groups, frozen = optimizers.param_groups(params)  # the caller's groups, each parameter once
         self.params = [p for g in groups for p in g["params"]]
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.grad_clip = grad_clip
@@ -94,17 +95,17 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self.param_shard = self.flat_param[start:start + shard_numel]  # (numel_padded / N,), a view
         # ### END SOLUTION
         # fp32 master weights for my shard only: in bf16 mode a copy, from the fp32 initial
-        # weights (common.master_weights: a bf16 run starts where the fp32 run starts); in fp32
+        # weights (optimizers.master_weights: a bf16 run starts where the fp32 run starts); in fp32
         # mode the shard is its own master, so nothing is duplicated.
         self.master_shard = (self.param_shard if dtype == torch.float32 else  # (numel_padded / N,) fp32
-                             common.master_shard(self.params, self.rank * shard_numel, shard_numel))
+                             optimizers.master_shard(self.params, self.rank * shard_numel, shard_numel))
         # A real torch.optim optimizer over my shard only, so Adam moments exist for it alone; it
-        # steps one view of master_shard per parameter (common.shard_pieces), in the caller's
+        # steps one view of master_shard per parameter (optimizers.shard_pieces), in the caller's
         # param groups: weight decay on some parameters and not others works as usual.
-        self.pieces = common.shard_pieces(self.params, self.rank * shard_numel, self.master_shard)
-        self.optim = optimizer_class(common.piece_groups(groups, self.pieces), **defaults)
+        self.pieces = optimizers.shard_pieces(self.params, self.rank * shard_numel, self.master_shard)
+        self.optim = optimizer_class(optimizers.piece_groups(groups, self.pieces), **defaults)
         super().__init__([self.master_shard], defaults)
-        self.used = common.UsedParameters(self.params, device) if find_unused_parameters else None
+        self.used = optimizers.UsedParameters(self.params, device) if find_unused_parameters else None
         for p in self.params if self.used else ():
             p.register_post_accumulate_grad_hook(self.used.mark)
         self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
@@ -128,10 +129,10 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # ### END SOLUTION
 
         # 2) AdamW on my shard, in fp32 (bf16 gradients are cast up first, as 01-03 do)
-        common.grads_into_pieces(self.pieces, grad_shard.float(), self.rank * self.param_shard.numel(),
+        optimizers.grads_into_pieces(self.pieces, grad_shard.float(), self.rank * self.param_shard.numel(),
                                  self.used.unused() if self.used else ())
         if self.grad_clip > 0:
-            common.clip_grad_norm_([piece.grad for *_, piece in self.pieces if piece.grad is not None],
+            optimizers.clip_grad_norm_([piece.grad for *_, piece in self.pieces if piece.grad is not None],
                                    self.grad_clip, self.flat_grad.device)
         self.optim.step()
         for *_, piece in self.pieces:
@@ -187,8 +188,8 @@ def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
     model = common.build_model(args, env)
-    optimizer = ZeRO1Optimizer(common.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
-                               torch.optim.AdamW, grad_clip=args.grad_clip, **common.adamw_kwargs(args))
+    optimizer = ZeRO1Optimizer(optimizers.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
+                               torch.optim.AdamW, grad_clip=args.grad_clip, **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "zero1", model, optimizer)
     ckpt = checkpoint.Checkpointer(args, env, "zero1", model, optimizer)  # --checkpoint-dir
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
@@ -202,7 +203,7 @@ def main(argv=None):
                 loss.backward()  # gradients accumulate locally, in the flat buffer
                 losses.append(loss)
             # ZeRO-1 keeps the full gradient, so it communicates once per optimizer step:
-            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()  # 1) reduce-scatter  2) AdamW on my shard  3) all-gather
             optimizer.zero_grad(set_to_none=False)  # in place: the grads stay views, no copy
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import checkpoint
 import common
+import optimizers
 import lifecycle
 import measure
 from bucket import BucketManager
@@ -62,7 +63,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, bucket_cap_mb=25.0, grad_clip=0.0,
                  find_unused_parameters=False, **defaults):
-        groups, frozen = common.param_groups(params)  # the caller's groups, each parameter once
+        groups, frozen = optimizers.param_groups(params)  # the caller's groups, each parameter once
         self.params = [p for g in groups for p in g["params"]]
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.grad_clip = grad_clip
@@ -98,18 +99,18 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                 # fp32 master weights for my shard only: a copy in bf16 mode, from the fp32
                 # initial weights (as in 04); in fp32 mode the shard is its own master.
                 self.master_shards.append(param_shard if bucket.dtype == torch.float32 else
-                                          common.master_shard(bucket.params, start, shard_numel))
+                                          optimizers.master_shard(bucket.params, start, shard_numel))
                 # what the optimizer steps: one view of my master shard per parameter, as in 04
-                self.pieces.append(common.shard_pieces(bucket.params, start, self.master_shards[-1]))
+                self.pieces.append(optimizers.shard_pieces(bucket.params, start, self.master_shards[-1]))
             for p in frozen:  # not trained, but it must still be the same on every rank
                 dist.broadcast(p.data, src=0)
         # A real torch.optim optimizer over my shards (Adam moments exist for them only), in the
         # caller's param groups.
         all_pieces = [piece for pieces in self.pieces for piece in pieces]
-        self.optim = optimizer_class(common.piece_groups(groups, all_pieces), **defaults)
+        self.optim = optimizer_class(optimizers.piece_groups(groups, all_pieces), **defaults)
         super().__init__(self.master_shards, defaults)
         self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
-        self.used = common.UsedParameters(self.params, self.params[0].device) if find_unused_parameters else None
+        self.used = optimizers.UsedParameters(self.params, self.params[0].device) if find_unused_parameters else None
         # Fires during backward once p.grad is complete (a tied weight's: both uses summed).
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -168,10 +169,10 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         # 2) AdamW on my shard of every bucket, in fp32 (bf16 gradients are cast up first)
         unused = self.used.unused() if self.used else ()
         for pieces, grad_shard, param_shard in zip(self.pieces, self.grad_shards, self.param_shards):
-            common.grads_into_pieces(pieces, grad_shard.float(), self.rank * param_shard.numel(), unused)
+            optimizers.grads_into_pieces(pieces, grad_shard.float(), self.rank * param_shard.numel(), unused)
         every_piece = [piece for pieces in self.pieces for *_, piece in pieces]
         if self.grad_clip > 0:
-            common.clip_grad_norm_([piece.grad for piece in every_piece if piece.grad is not None],
+            optimizers.clip_grad_norm_([piece.grad for piece in every_piece if piece.grad is not None],
                                    self.grad_clip, self.param_shards[0].device)
         self.optim.step()
         for piece in every_piece:
@@ -214,9 +215,9 @@ def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
     model = common.build_model(args, env)
-    optimizer = ZeRO2Optimizer(common.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
+    optimizer = ZeRO2Optimizer(optimizers.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
                                torch.optim.AdamW, bucket_cap_mb=args.bucket_mb, grad_clip=args.grad_clip,
-                               **common.adamw_kwargs(args))
+                               **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "zero2", model, optimizer)
     ckpt = checkpoint.Checkpointer(args, env, "zero2", model, optimizer)  # --checkpoint-dir
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
@@ -229,7 +230,7 @@ def main(argv=None):
                 loss = model(x, y) / args.grad_accum
                 loss.backward()  # 1) each bucket is reduce-scattered as soon as it is full, every
                 losses.append(loss)  # micro-step (no full gradient is kept); waited for at its end
-            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()  # 2) AdamW on my shards  3) all-gather, bucket by bucket
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)

@@ -51,6 +51,7 @@ import torch.nn as nn
 
 import checkpoint
 import common
+import optimizers
 import lifecycle
 import measure
 from model import GPT, init_parameters
@@ -123,7 +124,7 @@ class Unit:
         for p, offset in zip(self.params, self.offsets):
             lo, hi = (min(max(x - start, 0), self.shard_numel) for x in (offset, offset + p.numel()))
             shard = nn.Parameter(self.shard[lo:hi], p.requires_grad)
-            shard.full_shape = p.shape  # flat, but a matrix's shard: weight decay (common.decay_groups)
+            shard.full_shape = p.shape  # flat, but a matrix's shard: weight decay (optimizers.decay_groups)
             self.sharded.append(shard)
             self.ranges.append((lo, hi))
         self.flat_param.untyped_storage().resize_(0)  # the whole unit: gone until gathered
@@ -189,7 +190,7 @@ class ZeRO3(nn.Module):
         self.shard_of = {p: s for u in self.units for p, s in zip(u.params, u.sharded)}
         self.grads_in_flight = []  # (unit, work, grad_shard): reduce-scatters not yet waited for
         trainable = [p for u in self.units for p in u.trainable]
-        self.used = common.UsedParameters(trainable, self.units[0].shard.device) if find_unused_parameters else None
+        self.used = optimizers.UsedParameters(trainable, self.units[0].shard.device) if find_unused_parameters else None
         for unit in self.units:
             hook = functools.partial
             unit.module.register_forward_pre_hook(hook(self._pre_forward, unit))
@@ -335,7 +336,7 @@ class ZeRO3(nn.Module):
     def clip_grad_norm_(self, max_norm):
         """Global-norm clipping over every rank's gradient shards; returns the total norm."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        return common.clip_grad_norm_(grads, max_norm, self.units[0].shard.device)
+        return optimizers.clip_grad_norm_(grads, max_norm, self.units[0].shard.device)
 
     @torch.no_grad()
     def full_parameters(self):
@@ -390,7 +391,7 @@ def main(argv=None):
     with measure.PeakAlive() as init_memory:  # observed from outside: bytes held while building
         model = build_model(args, env)
     # any optimizer, over my shards, as over FSDP2's (weight decay: the matrices' shards only)
-    optimizer = torch.optim.AdamW(common.decay_groups(model, args.weight_decay), **common.adamw_kwargs(args))
+    optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "zero3", model.module, optimizer, holders=[model])
     run.init_peak = init_memory.peak
     run.full_parameters = model.full_parameters  # the parameters are sharded: gather to compare
@@ -408,7 +409,7 @@ def main(argv=None):
                 losses.append(loss)
             if args.grad_clip > 0:
                 model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce
-            common.set_learning_rate(optimizer, args, step)  # --lr-schedule
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()  # 6) AdamW on my shards
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)

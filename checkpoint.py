@@ -11,7 +11,7 @@ parameter. So resuming at another world size is the same code as resuming at the
 DIR must be one directory that every rank sees: on several nodes, a shared filesystem.)
 
 A strategy says what it holds with one method, `checkpoint_shards(names) -> [FlatShard, ...]`
-(01-03: common.MixedPrecisionAdamW; 04, 05: their own), or one such function (06's, whose
+(01-03: optimizers.MixedPrecisionAdamW; 04, 05: their own), or one such function (06's, whose
 optimizer is the caller's). On disk, DIR/step_000040/:
     rank{r}.pt   rank r's ranges and RNG state        (torch.save; read with weights_only=True)
     meta.json    rank 0: config, step, world size, layout (who wrote which range), parameters

@@ -18,6 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import common  # noqa: E402
+import optimizers  # noqa: E402
 import lifecycle  # noqa: E402
 import measure  # noqa: E402
 
@@ -43,19 +44,19 @@ def build(impl, model, args, env):
     """Wrap `model` as PyTorch does it; returns (module to call, optimizer with step/zero_grad)."""
     if impl in ("ddp", "local"):
         wrapped = DDP(model, bucket_cap_mb=args.bucket_mb) if impl == "ddp" else model
-        return wrapped, common.MixedPrecisionAdamW(common.decay_groups(model, args.weight_decay), args.grad_clip,
-                                                   **common.adamw_kwargs(args))
+        return wrapped, optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
+                                                   **optimizers.adamw_kwargs(args))
     if impl == "zero_redundancy":
         wrapped = DDP(model, bucket_cap_mb=args.bucket_mb)
-        opt = ZeroRedundancyOptimizer(common.decay_groups(model, args.weight_decay), torch.optim.AdamW,
-                                      **common.adamw_kwargs(args))
+        opt = ZeroRedundancyOptimizer(optimizers.decay_groups(model, args.weight_decay), torch.optim.AdamW,
+                                      **optimizers.adamw_kwargs(args))
         return wrapped, _ClippedStep(opt, list(model.parameters()), args.grad_clip)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     reshard = impl == "fsdp2"
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(common.decay_groups(model, args.weight_decay), **common.adamw_kwargs(args))
+    opt = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
     return model, _ClippedStep(opt, list(model.parameters()), args.grad_clip)
 
 

@@ -178,17 +178,18 @@ def reference(argv, steps=None):
     """Single-process training on the whole global batch (no accumulation, no distribution):
     what every lesson must reproduce. Uses the same flags, model, data and optimizer."""
     import common
+    import optimizers
     args = common.parse_args(argv)
     # bf16: fp32 master weights from the fp32 initial weights, as every lesson (common.build_model)
     model = common.build_model(args, common.Dist(0, 1, torch.device("cpu"), "gloo"))
-    opt = common.MixedPrecisionAdamW(common.decay_groups(model, args.weight_decay), args.grad_clip,
-                                     **common.adamw_kwargs(args))
+    opt = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
+                                     **optimizers.adamw_kwargs(args))
     losses = []
     for step in range(steps or args.steps):
         tokens = common.global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
-        common.set_learning_rate(opt, args, step)
+        optimizers.set_learning_rate(opt, args, step)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -240,11 +241,11 @@ def recording(build, grads, storages=None):
 
 def toy_reference_grads(steps=4, lr=1e-2):
     """The whole-batch gradient at every step of toy.toy_reference()."""
-    import common
+    import optimizers
     from lessons import adamw
     from toy import make_toy, toy_batch
     model = make_toy(seed=0)
-    opt = common.MixedPrecisionAdamW(model.parameters(), 0.0, **adamw(lr))
+    opt = optimizers.MixedPrecisionAdamW(model.parameters(), 0.0, **adamw(lr))
     grads = []
     for step in range(steps):
         model(*toy_batch(step)).backward()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import common
+import optimizers
 from harness import load_lesson
 
 
@@ -25,7 +25,7 @@ class _Replicated:
 
     def __init__(self, wrapper, module, grad_clip, lr, weight_decay=0.0):
         self.wrapper, self.module = wrapper, module
-        self.opt = common.MixedPrecisionAdamW(common.decay_groups(module, weight_decay), grad_clip, **adamw(lr))
+        self.opt = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(module, weight_decay), grad_clip, **adamw(lr))
 
     def train_step(self, micro_batches):
         total = 0.0
@@ -53,7 +53,7 @@ def adamw(lr):
 
 def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0.0, **kw):
     """A trainer for `lesson` ("01".."06", or "ddp") around `module`, inside a process group.
-    weight_decay: AdamW's, in common.decay_groups (matrices and embeddings only), as main()."""
+    weight_decay: AdamW's, in optimizers.decay_groups (matrices and embeddings only), as main()."""
     wd = weight_decay
     if lesson == "ddp":
         ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_mb,
@@ -71,7 +71,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
     if lesson == "06":  # as FSDP2: the caller's optimizer over the shards, clipping by the model
         z = load_lesson("06_zero3").ZeRO3(module, units=sharding_units(module), prefetch=kw.get("prefetch", True),
                                           find_unused_parameters=kw.get("find_unused", False))
-        opt = kw.get("optimizer_class", torch.optim.AdamW)(common.decay_groups(z, wd),
+        opt = kw.get("optimizer_class", torch.optim.AdamW)(optimizers.decay_groups(z, wd),
                                                            **kw.get("optimizer_kwargs", adamw(lr)))
 
         def step():
@@ -85,11 +85,11 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
     if lesson in ("04", "05"):  # kw optimizer_class / optimizer_kwargs: e.g. SGD, which sees gradient scale
         opt_class, opt_kwargs = kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs", adamw(lr))
         if lesson == "04":
-            opt = load_lesson("04_zero1").ZeRO1Optimizer(common.decay_groups(module, wd), opt_class, grad_clip=grad_clip,
+            opt = load_lesson("04_zero1").ZeRO1Optimizer(optimizers.decay_groups(module, wd), opt_class, grad_clip=grad_clip,
                                                          find_unused_parameters=kw.get("find_unused", False),
                                                          **opt_kwargs)
             return _ShardedOptimizer(module, opt)
-        opt = load_lesson("05_zero2").ZeRO2Optimizer(common.decay_groups(module, wd), opt_class, bucket_cap_mb=bucket_mb,
+        opt = load_lesson("05_zero2").ZeRO2Optimizer(optimizers.decay_groups(module, wd), opt_class, bucket_cap_mb=bucket_mb,
                                                      find_unused_parameters=kw.get("find_unused", False),
                                                      grad_clip=grad_clip, **opt_kwargs)
         return _ShardedOptimizer(module, opt)  # its reduce-scatters end inside backward
@@ -138,7 +138,7 @@ def _fsdp2(module, grad_clip, lr, wd):
     for unit in sharding_units(module):
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     fully_shard(module, mesh=mesh, reshard_after_forward=True)
-    opt = torch.optim.AdamW(common.decay_groups(module, wd), **adamw(lr))
+    opt = torch.optim.AdamW(optimizers.decay_groups(module, wd), **adamw(lr))
 
     def step():
         if grad_clip > 0:
@@ -193,7 +193,7 @@ def _zero_redundancy(module, grad_clip, lr, bucket_mb, find_unused, wd):
     """PyTorch's ZeRO-1: DDP all-reduces the gradients, ZeroRedundancyOptimizer shards AdamW."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_mb, find_unused_parameters=find_unused)
-    opt = ZeroRedundancyOptimizer(common.decay_groups(module, wd), optimizer_class=torch.optim.AdamW, **adamw(lr))
+    opt = ZeroRedundancyOptimizer(optimizers.decay_groups(module, wd), optimizer_class=torch.optim.AdamW, **adamw(lr))
     return _ShardedOptimizer(ddp, opt, before_step=_clipper(module, grad_clip),  # every rank has the full gradient
                              sync=lambda last: contextlib.nullcontext() if last else ddp.no_sync())
 
@@ -203,7 +203,7 @@ def _fsdp2_noreshard(module, grad_clip, lr, wd):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), reshard_after_forward=False)
-    opt = torch.optim.AdamW(common.decay_groups(module, wd), **adamw(lr))
+    opt = torch.optim.AdamW(optimizers.decay_groups(module, wd), **adamw(lr))
     # clip_grad_norm_ over DTensor gradient shards all-reduces the norm across ranks
     return _ShardedOptimizer(module, opt, before_step=_clipper(module, grad_clip),
                              full_parameters=lambda: {n: p.full_tensor().detach().float().clone()

@@ -5,6 +5,7 @@ import math
 import pytest
 
 import common
+import optimizers
 
 from harness import gpt_train, once, run_lesson, spawn
 from lessons import build
@@ -80,7 +81,7 @@ def test_memory_at_rest_bf16_is_zero1_theory_plus_padding(world):
     assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * PSI, 2 * PSI, 12 * PSI / world)
     # the flat buffer's layout: main()'s param groups in order (matrices, then biases and norms)
     gpt = GPT(common.model_config(common.parse_args(BF16)))
-    numels = [p.numel() for g in common.decay_groups(gpt, 0.1) for p in g["params"]]
+    numels = [p.numel() for g in optimizers.decay_groups(gpt, 0.1) for p in g["params"]]
     for rank, m in enumerate(report["memory"]["per_rank"]):
         # exact bytes: one padded bf16 flat buffer each for parameters and gradients (2 Psi
         # each); for one shard of it, fp32 master weights and two fp32 Adam moments (12 Psi / N),

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import optimizers
 import measure
 from harness import gpt_train, load_lesson, once, run_lesson, spawn
 from lessons import build
@@ -37,7 +38,7 @@ def layout(argv, world):
     args = common.parse_args(argv)
     model = GPT(common.model_config(args), seed=None).to(common.working_dtype(args))
     manager = load_lesson("bucket").BucketManager  # the graded bucket.py (harness.LESSONS_DIR)
-    params = [p for g in common.decay_groups(model, 0.1) for p in g["params"]]  # main()'s groups, in order
+    params = [p for g in optimizers.decay_groups(model, 0.1) for p in g["params"]]  # main()'s groups, in order
     buckets = manager(params, args.bucket_mb, launch=None, grads_as_views=False, pad_to=world).buckets
     return sum(b.numel_padded for b in buckets), len(buckets)
 
@@ -47,7 +48,7 @@ def bucket_numels(argv, world):
     args = common.parse_args(argv)
     model = GPT(common.model_config(args), seed=None).to(common.working_dtype(args))
     manager = load_lesson("bucket").BucketManager
-    params = [p for g in common.decay_groups(model, 0.1) for p in g["params"]]  # main()'s groups, in order
+    params = [p for g in optimizers.decay_groups(model, 0.1) for p in g["params"]]  # main()'s groups, in order
     return [[p.numel() for p in b.params] for b in manager(params, args.bucket_mb, launch=None,
                                                           grads_as_views=False, pad_to=world).buckets]
 
@@ -62,7 +63,7 @@ def gradient_peak(argv):
     env = common.Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "gloo")
     model = common.build_model(args, env)
     optimizer = load_lesson(LESSON).ZeRO2Optimizer(model.parameters(), bucket_cap_mb=args.bucket_mb,
-                                                   **common.adamw_kwargs(args))
+                                                   **optimizers.adamw_kwargs(args))
     ledger, peak = measure.MemoryLedger(model, [optimizer]), [0]
 
     def sample(_=None):

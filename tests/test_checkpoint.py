@@ -230,7 +230,7 @@ def world2(root):
     return spawn(2, suite_world2, root)
 
 
-# Across world sizes: 01 stands for 01-03 (the same replicated state, common.MixedPrecisionAdamW);
+# Across world sizes: 01 stands for 01-03 (the same replicated state, optimizers.MixedPrecisionAdamW);
 # 3 ranks pad, so the sharded lessons. A launch of 3 or 4 ranks costs ~10 s before any step.
 REPLICATED_AND_SHARDED = ["01_vanilla_dp", *SHARDED]
 

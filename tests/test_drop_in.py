@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import common
+import optimizers
 from harness import load_lesson, once, spawn
 from zero_parity import ARGV, key_bias_apart  # ARGV: a GPT whose Psi no world size divides
 
@@ -296,12 +297,12 @@ LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_
 
 def test_cosine_schedule_with_warm_up():
     args = common.parse_args(["--steps", "11", "--lr", "1.0", "--lr-schedule", "cosine", "--warmup-steps", "2"])
-    rates = [common.learning_rate(args, s) for s in range(11)]
+    rates = [optimizers.learning_rate(args, s) for s in range(11)]
     assert rates[:3] == [1 / 3, 2 / 3, 1.0]  # warm-up, then the peak
     assert rates[-1] == pytest.approx(0.1) and rates[2 + 4] == pytest.approx(0.55)  # lr/10 at the end; halfway
     assert all(a >= b for a, b in zip(rates[2:], rates[3:]))
     constant = common.parse_args(["--lr", "0.5"])
-    assert {common.learning_rate(constant, s) for s in range(40)} == {0.5}
+    assert {optimizers.learning_rate(constant, s) for s in range(40)} == {0.5}
 
 
 def scheduled_lessons():

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import optimizers
 import measure
 from harness import ROOT, lesson_file, load_lesson, spawn
 
@@ -193,7 +194,7 @@ def first_step_gradients(lesson, argv):
     env = common.init_distributed(args)
     if lesson == "05_zero2":
         model = common.build_model(args, env)
-        opt = load_lesson(lesson).ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, **common.adamw_kwargs(args))
+        opt = load_lesson(lesson).ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, **optimizers.adamw_kwargs(args))
         # (params, their flat offsets, [(elements lo .. hi of my shard, their gradient)], numel_padded)
         layouts = [(b.params, [b.offsets[p][0] for p in b.params], ps, b.numel_padded)
                    for b, ps in zip(opt.grad_buckets.buckets, opt.pieces)]

@@ -57,10 +57,10 @@ def toy_train(build, lesson, steps=4, grad_accum=1, different_init=False, **kw):
 
 def toy_reference(steps=4, grad_clip=0.0, lr=1e-2, weight_decay=0.0, **_):
     """Single process, whole batch, the same optimizer: the answer every lesson must give."""
-    import common
+    import optimizers
     from lessons import adamw
     model = make_toy(seed=0)
-    opt = common.MixedPrecisionAdamW(common.decay_groups(model, weight_decay), grad_clip, **adamw(lr))
+    opt = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, weight_decay), grad_clip, **adamw(lr))
     losses = []
     for step in range(steps):
         loss = model(*toy_batch(step))

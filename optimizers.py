@@ -1,0 +1,207 @@
+"""The optimizer side the lessons share: AdamW with fp32 master weights for 01-03, the helpers
+the sharded optimizers of 04-06 step their shards with (one tensor per parameter, clipping
+across shards, find_unused_parameters), the learning-rate schedule and nanoGPT's weight-decay
+groups.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import FlatShard
+
+
+# ----------------------------------------------------------------------------- sharded optimizers (04-06)
+def master_shard(params, start, numel):
+    """fp32 master weights for elements start .. start + numel of `params` laid back to back in
+    one flat buffer (padding: 0), each from master_weights(p). Every parameter hands over its
+    fp32 initial weights, in my slice or not, so none stays held."""
+    out = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
+    offset = 0
+    for p in params:
+        values = master_weights(p)
+        lo, hi = max(start, offset), min(start + numel, offset + p.numel())
+        if lo < hi:
+            out[lo - start:hi - start] = values[lo - offset:hi - offset]
+        offset += p.numel()
+    return out
+
+
+def param_groups(params):
+    """torch.optim's two forms, an iterable of parameters or of {"params": [...], options}
+    dicts, as (groups: a list of dicts of trainable parameters, frozen: the others); each
+    parameter once (a tied weight is one)."""
+    params = list(params)
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    seen, out, frozen = set(), [], []
+    for g in groups:
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        ps = [p for p in ps if id(p) not in seen and not seen.add(id(p))]
+        out.append({**g, "params": [p for p in ps if p.requires_grad]})
+        frozen += [p for p in ps if not p.requires_grad]
+    return out, frozen
+
+
+def shard_pieces(params, start, master):
+    """What the optimizer steps in a flat shard: per parameter of `params` (laid back to back
+    from flat offset 0) the elements lo .. hi it has in my shard (flat start ..
+    start + master.numel()), as [(p, offset, lo, hi, piece)], piece being their view in
+    `master`. One tensor per parameter, as FSDP2's optimizer sees, so the caller's param groups
+    (weight decay or not) and a parameter without a gradient (skipped) work as in one process."""
+    out, offset = [], 0
+    for p in params:
+        lo, hi = max(start - offset, 0), min(start + master.numel() - offset, p.numel())
+        if lo < hi:
+            out.append((p, offset, lo, hi, master[offset + lo - start:offset + hi - start]))
+        offset += p.numel()
+    return out
+
+
+def piece_groups(groups, pieces):
+    """The caller's param groups, their options kept, over the pieces of their parameters (a
+    rank holding no piece at all gets one empty tensor: torch.optim refuses an empty list)."""
+    of = {}
+    for p, *_, piece in pieces:
+        of.setdefault(p, []).append(piece)
+    out = [{**g, "params": [x for p in g["params"] for x in of.get(p, [])]} for g in groups]
+    if not pieces:
+        out[0]["params"] = [torch.zeros(0, requires_grad=True)]
+    return out
+
+
+def grads_into_pieces(pieces, grad_shard, start, unused=()):
+    """Give each piece (shard_pieces) its slice of my fp32 gradient shard, flat start ..., as
+    .grad; a parameter in `unused` (UsedParameters) gets None, so the optimizer skips it."""
+    for p, offset, lo, hi, piece in pieces:
+        piece.grad = None if p in unused else grad_shard[offset + lo - start:offset + hi - start]
+
+
+@torch.no_grad()
+def clip_grad_norm_(grads, max_norm, device):
+    """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ over the whole model, of gradients
+    sharded across the ranks: each rank sums the squares of its own shards (padding is zero: it
+    adds nothing), one scalar all-reduce adds them up. Returns the total norm."""
+    norm_sq = torch.zeros((), device=device)
+    for g in grads:
+        norm_sq += g.float().pow(2).sum()
+    dist.all_reduce(norm_sq)
+    norm = norm_sq.sqrt()
+    clip_coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(clip_coef)
+    return norm
+
+
+class UsedParameters:
+    """find_unused_parameters, DDP's flag, for 04-06: which parameters some rank's backward
+    reached since the last step. mark(p) from p's gradient hook; unused() at the step (one
+    small all-reduce, as DDP's, hence only on request) gives the others, whose pieces then get
+    no gradient: the optimizer skips them (no weight decay, no moment update), as one process
+    skips a parameter whose .grad is None. Without it they count as used, with zero gradients."""
+
+    def __init__(self, params, device):
+        self.index = {p: i for i, p in enumerate(params)}
+        self.flags = torch.zeros(len(params), device=device)
+
+    def mark(self, p):
+        self.flags[self.index[p]] = 1
+
+    def unused(self):
+        dist.all_reduce(self.flags)
+        out = {p for p, i in self.index.items() if self.flags[i] == 0}
+        self.flags.zero_()
+        return out
+
+
+def master_weights(p):
+    """The fp32 values to start p's master weights from, flat: the fp32 initial weights if
+    build_model kept them (handed over once: the parameter lets go of them), else p's own."""
+    init = p.__dict__.pop("fp32_init", None)
+    return (p.detach() if init is None else init).float().reshape(-1)
+
+
+# ----------------------------------------------------------------------------- optimizer
+def learning_rate(args, step):
+    """The learning rate of optimizer step `step` (nanoGPT's schedule): a linear warm-up over
+    --warmup-steps, then --lr (constant) or a cosine from --lr down to --lr / 10 at the last step."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / (args.warmup_steps + 1)
+    if args.lr_schedule == "constant":
+        return args.lr
+    progress = (step - args.warmup_steps) / max(1, args.steps - 1 - args.warmup_steps)
+    return args.lr / 10 + (args.lr - args.lr / 10) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def set_learning_rate(optimizer, args, step):
+    """Set every param group's lr for this step; stateless, so a resumed run picks it up as is."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(args, step)
+
+
+def decay_groups(module, weight_decay):
+    """nanoGPT's two param groups: weight decay on every parameter of two or more dimensions
+    (matrices, embeddings), none on biases and norms (decaying a gain towards 0 or a bias has no
+    reason). Over the module's parameters, each once, frozen ones too (04 and 05 make them the
+    same on every rank); torch.optim takes the list as it is."""
+    params = list({id(p): p for p in module.parameters()}.values())
+    decayed = [len(getattr(p, "full_shape", p.shape)) >= 2 for p in params]  # (06's flat shards: their full shape)
+    return [{"params": [p for p, d in zip(params, decayed) if d], "weight_decay": weight_decay},
+            {"params": [p for p, d in zip(params, decayed) if not d], "weight_decay": 0.0}]
+
+
+def adamw_kwargs(args):
+    # weight decay: per param group (decay_groups), 0 for a parameter outside them.
+    # foreach=True: one multi-tensor kernel per Adam operation instead of a Python loop over the
+    # tensors, which torch picks on CPU by default: bitwise the same results, a little faster on
+    # models of many small tensors (docs/profiling.md).
+    return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True)
+
+
+class MixedPrecisionAdamW:
+    """AdamW with global-norm clipping and, for bf16 parameters, fp32 master weights.
+
+    Used replicated by 01-03 (every rank holds all of it). fp32: AdamW runs on the parameters
+    themselves. bf16: AdamW runs on fp32 copies; after the step they are rounded into the bf16
+    parameters. Moments are fp32 either way: 12 bytes per parameter in bf16 mode, as in ZeRO.
+    """
+
+    def __init__(self, params, grad_clip=0.0, **adamw_kwargs):
+        groups, _ = param_groups(params)  # parameters, or torch.optim's param groups
+        self.params = [p for g in groups for p in g["params"]]
+        self.grad_clip = grad_clip
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        self.master = ([master_weights(p).view_as(p).clone() for p in self.params] if self.mixed
+                       else self.params)
+        master_of = dict(zip(self.params, self.master))
+        self.optim = torch.optim.AdamW([{**g, "params": [master_of[p] for p in g["params"]]} for g in groups],
+                                       **adamw_kwargs)
+
+    @property
+    def param_groups(self):  # the AdamW's, for learning-rate schedules
+        return self.optim.param_groups
+
+    @torch.no_grad()
+    def step(self):
+        if self.mixed:
+            for p, m in zip(self.params, self.master):
+                m.grad = None if p.grad is None else p.grad.float()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.master, self.grad_clip, foreach=True)
+        self.optim.step()
+        if self.mixed:
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+                m.grad = None
+
+    def zero_grad(self):
+        for p in self.params:  # in place: bucket views (03) must stay views
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def checkpoint_shards(self, names):
+        """For checkpoint.py, 01-03's state: every trainable parameter whole, with its master
+        (itself in fp32) and AdamW's state for it. Replicated, so rank 0 alone writes it."""
+        mine = dist.get_rank() == 0
+        return [FlatShard([(names[p], p.numel())], {"param": (0, p), "master": (0, m)},
+                          owned=(0, p.numel() if mine else 0), optim=self.optim)
+                for p, m in zip(self.params, self.master)]
