@@ -191,7 +191,7 @@ def main(argv=None):
     optimizer = ZeRO1Optimizer(optimizers.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
                                torch.optim.AdamW, grad_clip=args.grad_clip, **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "zero1", model, optimizer)
-    ckpt = checkpoint.Checkpointer(args, env, "zero1", model, optimizer)  # --checkpoint-dir
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model, optimizer)  # --checkpoint-dir
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

@@ -219,7 +219,7 @@ def main(argv=None):
                                torch.optim.AdamW, bucket_cap_mb=args.bucket_mb, grad_clip=args.grad_clip,
                                **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "zero2", model, optimizer)
-    ckpt = checkpoint.Checkpointer(args, env, "zero2", model, optimizer)  # --checkpoint-dir
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model, optimizer)  # --checkpoint-dir
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

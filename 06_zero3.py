@@ -395,7 +395,7 @@ def main(argv=None):
     run = measure.Run(args, env, "zero3", model.module, optimizer, holders=[model])
     run.init_peak = init_memory.peak
     run.full_parameters = model.full_parameters  # the parameters are sharded: gather to compare
-    ckpt = checkpoint.Checkpointer(args, env, "zero3", model.module,  # --checkpoint-dir
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
                                    functools.partial(checkpoint_shards, model, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
