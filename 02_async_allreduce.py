@@ -18,9 +18,9 @@ import torch.nn as nn
 
 import checkpoint
 import common
-import optimizers
 import lifecycle
 import measure
+import optimizers
 
 
 # ----------------------------------------------------------------------------- the strategy

@@ -22,6 +22,7 @@ bytes of optimizer state instead of 12 Psi.
 PyTorch: `torch.distributed.optim.ZeroRedundancyOptimizer` (which shards the optimizer state
 but leaves gradients to DDP's all-reduce); DeepSpeed: ZeRO stage 1.
 """
+import functools
 import math
 
 import torch
@@ -29,9 +30,9 @@ import torch.distributed as dist
 
 import checkpoint
 import common
-import optimizers
 import lifecycle
 import measure
+import optimizers
 
 
 # ----------------------------------------------------------------------------- the strategy
@@ -172,15 +173,12 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         self.optim.load_state_dict(state_dict)
 
-    def checkpoint_shards(self, names):
-        """For checkpoint.py: the flat buffer, which I hold whole and load whole but write none
-        of; and per parameter, the part of it in my shard: its working copy, its fp32 master and
-        the optimizer's state for it, which I write and load."""
-        layout = [(names[p], p.numel()) for p in self.params]
-        return [checkpoint.FlatShard(layout, {"param": (0, self.flat_param)}, owned=(0, 0))] + [
-            checkpoint.FlatShard([(names[p], p.numel())], {"param": (lo, self.flat_param[offset + lo:offset + hi]),
-                                                           "master": (lo, piece)}, owned=(lo, hi), optim=self.optim)
-            for p, offset, lo, hi, piece in self.pieces]
+
+# ----------------------------------------------------------------------------- checkpoints
+def checkpoint_shards(optimizer, names):
+    """For checkpoint.py: what a ZeRO1Optimizer holds, one flat buffer."""
+    return checkpoint.flat_buffer_shards(names, optimizer.params, optimizer.flat_param, optimizer.pieces,
+                                         optimizer.optim)
 
 
 # ----------------------------------------------------------------------------- training
@@ -191,7 +189,8 @@ def main(argv=None):
     optimizer = ZeRO1Optimizer(optimizers.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
                                torch.optim.AdamW, grad_clip=args.grad_clip, **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "zero1", model, optimizer)
-    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model, optimizer)  # --checkpoint-dir
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
+                                   functools.partial(checkpoint_shards, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

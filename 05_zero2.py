@@ -31,14 +31,16 @@ The price of keeping 2 Psi / N: K reduce-scatters per optimizer step, (K + 1) Ps
 elements sent instead of 2 Psi (N-1)/N, each hidden behind its micro-step's backward as far
 as the bandwidth allows. Where memory is plenty and bandwidth scarce, ZeRO-1 accumulates for free.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 
 import checkpoint
 import common
-import optimizers
 import lifecycle
 import measure
+import optimizers
 from bucket import BucketManager
 
 
@@ -196,18 +198,13 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         self.optim.load_state_dict(state_dict)
 
-    def checkpoint_shards(self, names):
-        """For checkpoint.py, per bucket as in 04: the flat buffer (loaded whole, written by
-        none), and per parameter the part of it in my shard, with its master and state."""
-        shards = []
-        for bucket, flat_param, pieces in zip(self.grad_buckets.buckets, self.flat_params, self.pieces):
-            shards.append(checkpoint.FlatShard([(names[p], p.numel()) for p in bucket.params],
-                                               {"param": (0, flat_param)}, owned=(0, 0)))
-            shards += [checkpoint.FlatShard([(names[p], p.numel())],
-                                            {"param": (lo, flat_param[offset + lo:offset + hi]), "master": (lo, piece)},
-                                            owned=(lo, hi), optim=self.optim)
-                       for p, offset, lo, hi, piece in pieces]
-        return shards
+
+# ----------------------------------------------------------------------------- checkpoints
+def checkpoint_shards(optimizer, names):
+    """For checkpoint.py: what a ZeRO2Optimizer holds, per bucket as 04 for its one buffer."""
+    return [shard for bucket, flat_param, pieces in zip(optimizer.grad_buckets.buckets, optimizer.flat_params,
+                                                         optimizer.pieces)
+            for shard in checkpoint.flat_buffer_shards(names, bucket.params, flat_param, pieces, optimizer.optim)]
 
 
 # ----------------------------------------------------------------------------- training
@@ -219,7 +216,8 @@ def main(argv=None):
                                torch.optim.AdamW, bucket_cap_mb=args.bucket_mb, grad_clip=args.grad_clip,
                                **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "zero2", model, optimizer)
-    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model, optimizer)  # --checkpoint-dir
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
+                                   functools.partial(checkpoint_shards, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

@@ -51,9 +51,9 @@ import torch.nn as nn
 
 import checkpoint
 import common
-import optimizers
 import lifecycle
 import measure
+import optimizers
 from model import GPT, init_parameters
 
 
@@ -351,6 +351,7 @@ class ZeRO3(nn.Module):
         return {name: full[p] for name, p in self.module.named_parameters()}
 
 
+# ----------------------------------------------------------------------------- checkpoints
 def checkpoint_shards(model, optimizer, names):
     """For checkpoint.py, per parameter of `model` (a ZeRO3): its elements in my shards, which
     are its master weights too, and `optimizer`'s state for them. I write and load just those."""

@@ -10,9 +10,9 @@ once, then fills whatever the NEW layout gives this rank: its shard under N' ran
 parameter. So resuming at another world size is the same code as resuming at the same one. (So
 DIR must be one directory that every rank sees: on several nodes, a shared filesystem.)
 
-A strategy says what it holds with one method, `checkpoint_shards(names) -> [FlatShard, ...]`
-(01-03: optimizers.MixedPrecisionAdamW; 04, 05: their own), or one such function (06's, whose
-optimizer is the caller's). On disk, DIR/step_000040/:
+A strategy says what it holds with `checkpoint_shards(names) -> [FlatShard, ...]`: a method
+(01-03: optimizers.MixedPrecisionAdamW) or a function (04, 05 and 06 each have theirs, at the
+end of the lesson; 04's and 05's use flat_buffer_shards). On disk, DIR/step_000040/:
     rank{r}.pt   rank r's ranges and RNG state        (torch.save; read with weights_only=True)
     meta.json    rank 0: config, step, world size, layout (who wrote which range), parameters
                  (each rank's RNG state is in its own file: every rank draws its own numbers)
@@ -53,6 +53,17 @@ class FlatShard:
     tensors: dict
     owned: tuple
     optim: torch.optim.Optimizer = None
+
+
+def flat_buffer_shards(names, params, flat_param, pieces, optim):
+    """What 04 and 05 hold of one flat buffer: the whole buffer (every rank holds and loads it
+    whole; none writes it) and, per piece of my shard (optimizers.shard_pieces), that part of it,
+    its fp32 master and `optim`'s state for it, which I write and load."""
+    layout = [(names[p], p.numel()) for p in params]
+    return [FlatShard(layout, {"param": (0, flat_param)}, owned=(0, 0))] + [
+        FlatShard([(names[p], p.numel())], {"param": (lo, flat_param[offset + lo:offset + hi]), "master": (lo, piece)},
+                  owned=(lo, hi), optim=optim)
+        for p, offset, lo, hi, piece in pieces]
 
 
 def _pieces(params, a, b):

@@ -66,13 +66,21 @@ def refused(lesson, argv):
 
 # ----------------------------------------------------------------------------- the toy model
 def handles(lesson, trainer):
-    """(module, holder): the plain model and the object whose checkpoint_shards() describes it."""
-    if lesson == "06":  # its optimizer is the caller's: the lesson's function takes both
+    """(module, holder): the plain model and what describes it to checkpoint.py, as main() does."""
+    if lesson == "06":  # the lesson's function, of the model and the caller's optimizer
         return trainer.model.module, functools.partial(load_lesson("06_zero3").checkpoint_shards, trainer.model,
                                                        trainer.opt)
+    if lesson in ("04", "05"):  # the lesson's function, of its optimizer
+        name = {"04": "04_zero1", "05": "05_zero2"}[lesson]
+        return trainer.model, functools.partial(load_lesson(name).checkpoint_shards, trainer.opt)
     if lesson == "01":
         return trainer.module, trainer.opt
     return trainer.model, trainer.opt
+
+
+def optimizer_of(lesson, trainer):
+    """The torch.optim optimizer whose state the checkpoint holds."""
+    return trainer.opt.optim if lesson in ("04", "05") else trainer.opt
 
 
 def toy_steps(trainer, steps):
@@ -106,10 +114,9 @@ def toy_saved(lesson, root):
 
 
 # ----------------------------------------------------------------------------- refused loads
-def snapshot(module, holder):
+def snapshot(module, holder, optim):
     """Every tensor a strategy holds (parameters, masters, Adam state), copied."""
     out = [t.detach().clone() for s in checkpoint._shards(module, holder) for _, t in s.tensors.values()]
-    optim = getattr(holder, "optim", None) or holder.args[1]  # 06: checkpoint_shards(model, optimizer)
     return out + [v.clone() for state in optim.state.values() for v in state.values()]
 
 
@@ -125,17 +132,18 @@ def untouched_after_refusals(bad, good):
         batch = common.get_batch(args, env, 0, 0)
         trainer.train_step([batch])
         module, holder = handles(lesson, trainer)
-        before = snapshot(module, holder)
+        optim = optimizer_of(lesson, trainer)
+        before = snapshot(module, holder, optim)
         for name, path in bad.items():
             try:
                 checkpoint.load(path, module, holder)
                 messages[lesson, name] = "loaded"
             except checkpoint.CheckpointError as e:
                 messages[lesson, name] = str(e)
-            after = snapshot(module, holder)
+            after = snapshot(module, holder, optim)
             assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before)), name
         checkpoint.load(good, module, holder)
-        after = snapshot(module, holder)
+        after = snapshot(module, holder, optim)
         messages[lesson, "good"] = "loaded" if not all(torch.equal(a, b) for a, b in zip(after, before)) else "same"
     return messages
 
