@@ -59,8 +59,9 @@ def _code_hash(extra):
     """Everything a sweep's result depends on: its arguments and the code that produced it."""
     import torch
     h = hashlib.sha256(json.dumps([extra, torch.__version__]).encode())
-    files = [f"{n}.py" for n in LESSONS] + ["common.py", "measure.py", "model.py", "bucket.py",
-                                             "scripts/sweep.py"]
+    files = [f"{n}.py" for n in LESSONS] + ["bucket.py", "checkpoint.py", "comm_meter.py", "common.py", "lifecycle.py",
+                                             "measure.py", "memory_ledger.py", "model.py", "optimizers.py",
+                                             "theory.py", "scripts/sweep.py"]
     for name in files:
         path = os.path.join(ROOT, name)
         if os.path.exists(path):

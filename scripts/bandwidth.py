@@ -13,7 +13,7 @@ Conventions (those of nccl-tests, so numbers compare with what GPU papers quote)
 - time = for each repetition the slowest rank's time (ranks start together after a barrier),
   median over repetitions.
 Also measured: wire bytes, what each rank's process actually wrote while the collective ran
-(Linux /proc/self/io, see measure.bytes_written). A ring needs the busbw factor x S; a backend
+(Linux /proc/self/io, see comm_meter.bytes_written). A ring needs the busbw factor x S; a backend
 that sends more than that shows it here, whatever its timing.
 
     torchrun --nproc_per_node=2 scripts/bandwidth.py --contention     # can overlap pay here?
@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 import common  # noqa: E402
 import lifecycle  # noqa: E402
-from measure import bytes_written  # noqa: E402
+from comm_meter import bytes_written  # noqa: E402
 from theory import RING_FACTOR  # noqa: E402
 
 KIB = 2 ** 10

@@ -12,8 +12,8 @@ can reach on this machine ("/ limit").
 
 Per run also: tokens/s; the bytes each rank's process wrote on the wire per step (gloo over
 TCP, read from /proc on Linux: the one meter that sees DDP's and FSDP2's collectives too, which
-run in C++ where measure.CommMeter cannot see them); the model states each rank holds at rest
-(params + grads + optimizer, measure.MemoryLedger); and each rank's peak resident memory
+run in C++ where comm_meter.CommMeter cannot see them); the model states each rank holds at rest
+(params + grads + optimizer, memory_ledger.MemoryLedger); and each rank's peak resident memory
 (everything: activations, buffers, the runtime). Every rank's maximum.
 
 Writes OUT/bench.md (the tables), OUT/bench.json (every number, every round) and OUT/bench.png

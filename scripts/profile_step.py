@@ -11,7 +11,7 @@ Runs the lesson's own main() (under torchrun when --nproc > 1) and profiles a wi
 printed next to the profiled steps', so the profiler's own cost shows), then the measured step
 (the last, not profiled). Rank 0 prints:
 - cprofile (default): the functions with the most time of their own per step, then the
-  project's own functions (lessons, bucket.py, common.py, measure.py, model.py) by cumulative
+  project's own functions (lessons, bucket.py and the support modules) by cumulative
   time per step: the lesson's Python overhead, and what measurement costs when not measuring;
 - torch: torch.profiler's table of operators by self CPU time per step (aten::cat, aten::empty,
   copies, the collectives' c10d:: calls...).
@@ -36,7 +36,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 WARMUP = 3
-OWN = ("0", "bucket.py", "common.py", "lifecycle.py", "measure.py", "model.py")  # the project's files, by name
+OWN = ("0", "bucket.py", "checkpoint.py", "comm_meter.py", "common.py", "lifecycle.py", "measure.py",
+       "memory_ledger.py", "model.py", "optimizers.py")  # the project's files, by name
 
 
 def load(name):

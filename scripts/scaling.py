@@ -17,10 +17,10 @@ Per run (a lesson at a size and a world size):
   touch of memory), the last step excluded: it is the measured one (collectives wrapped, memory
   walked after every operation in 06), whose time says nothing about the lesson;
 - bytes sent per rank per optimizer step: the ring bytes of the collectives the lesson issued
-  in the measured step (measure.CommMeter), next to the ZeRO paper's 2 Psi (3 Psi for ZeRO-3)
+  in the measured step (comm_meter.CommMeter), next to the ZeRO paper's 2 Psi (3 Psi for ZeRO-3)
   x (N-1)/N, and what each rank's process actually wrote on the wire (gloo, Linux);
 - bytes held per rank at rest (params, grads, optimizer state), walked from the live tensors
-  (measure.MemoryLedger), next to the paper's formula; for 06 also peak_params, the most
+  (memory_ledger.MemoryLedger), next to the paper's formula; for 06 also peak_params, the most
   parameter bytes alive at once in the step (its shards plus the units gathered in flight;
   sampled after every operation, so only 06 pays for it: in 01-05 it equals params at rest).
 

@@ -10,7 +10,7 @@ import common
 import harness
 from harness import gpt_train, recording, reference, run_lesson, spawn, toy_reference_grads
 from lessons import build
-from measure import CommMeter
+from comm_meter import CommMeter
 from model import GPT
 from toy import make_toy, toy_reference, toy_train
 
@@ -60,7 +60,7 @@ TOY_CAPS = {1: 25.0, 3: TOY_HIDDEN * 4 / MIB, len(_trainable): 1 / MIB}  # bucke
 
 # ----------------------------------------------------------------------------- in the ranks
 def metered(train, *args, **kw):
-    """Run a training function with every collective counted from outside (measure.CommMeter).
+    """Run a training function with every collective counted from outside (comm_meter.CommMeter).
     Cheaper than main()'s report, which also samples memory after every operation."""
     meter = CommMeter(dist.get_world_size())
     with meter.measuring():

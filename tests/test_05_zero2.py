@@ -9,6 +9,7 @@ import torch.distributed as dist
 import common
 import optimizers
 import measure
+import memory_ledger
 from harness import gpt_train, load_lesson, once, run_lesson, spawn
 from lessons import build
 from model import GPT
@@ -64,7 +65,7 @@ def gradient_peak(argv):
     model = common.build_model(args, env)
     optimizer = load_lesson(LESSON).ZeRO2Optimizer(model.parameters(), bucket_cap_mb=args.bucket_mb,
                                                    **optimizers.adamw_kwargs(args))
-    ledger, peak = measure.MemoryLedger(model, [optimizer]), [0]
+    ledger, peak = memory_ledger.MemoryLedger(model, [optimizer]), [0]
 
     def sample(_=None):
         peak[0] = max(peak[0], ledger.measure()["grads"])

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import common
 import optimizers
 import measure
+import comm_meter
 from harness import ROOT, lesson_file, load_lesson, spawn
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -123,18 +124,18 @@ def test_gpu_overlap_from_kernel_times(tmp_path):
     events.append({"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 400})  # CPU ops do not count
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    got = measure.gpu_overlap(str(path))
+    got = comm_meter.gpu_overlap(str(path))
     assert got["comm_ms"] == pytest.approx(0.2) and got["exposed_ms"] == pytest.approx(0.1)
     assert got["hidden_share"] == pytest.approx(0.5)
     path.write_text(json.dumps({"traceEvents": events[1:2]}))
-    assert measure.gpu_overlap(str(path)) is None  # no NCCL kernel: nothing to say, not 0 %
+    assert comm_meter.gpu_overlap(str(path)) is None  # no NCCL kernel: nothing to say, not 0 %
 
 
 def test_a_meter_not_on_the_cpu_clock_reports_unavailable_not_a_number():
-    meter = measure.CommMeter(2, cpu_timed=False)  # what Run makes for NCCL
+    meter = comm_meter.CommMeter(2, cpu_timed=False)  # what Run makes for NCCL
     meter.spans, meter.blocked, meter.window = [["all_reduce", 0.0, 1.0]], [[0.5, 1.0]], (0.0, 1.0)
     assert meter.overlap() is None and meter.timeline() is None
-    gloo = measure.CommMeter(2)
+    gloo = comm_meter.CommMeter(2)
     gloo.spans, gloo.blocked, gloo.window = meter.spans, meter.blocked, meter.window
     assert gloo.overlap()["hidden_share"] == pytest.approx(0.5)
 

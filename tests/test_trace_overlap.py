@@ -1,4 +1,4 @@
-"""--trace and the overlap line: observed from outside the lessons (measure.py), so checked here
+"""--trace and the overlap line: observed from outside the lessons (comm_meter.py), so checked here
 on real runs of 01 (blocking all-reduces) and 03 (small buckets, async)."""
 import functools
 import json

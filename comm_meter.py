@@ -1,0 +1,215 @@
+"""Communication, counted from outside the lessons: CommMeter wraps the torch.distributed
+collectives while a chosen step runs and counts each call and its payload (the lessons call
+`dist.all_reduce(...)` as usual and never report their own traffic); what the process wrote on
+the wire (bytes_written); the overlap of communication and compute, from the CPU clock on gloo
+or from a GPU trace (gpu_overlap); and the step's timeline figure (plot_timeline).
+"""
+import inspect
+import json
+import time
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from theory import RING_FACTOR
+
+# name in torch.distributed -> (kind, name of the argument holding the full-size tensor); the
+# *_single names exist from torch 2.13 on, where the lessons' *_tensor names call them
+_COLLECTIVES = {
+    "all_reduce": ("all_reduce", "tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input"), "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "all_gather_single": ("all_gather", "output_tensor"), "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "broadcast": ("broadcast", "tensor"),
+}
+_UNMETERED = ["all_gather", "reduce_scatter", "reduce", "all_to_all_single", "gather", "scatter"]
+
+
+class CommMeter:
+    """Counts collectives issued through torch.distributed while `with meter.measuring():`.
+
+    cpu_timed: the collectives run on the CPU (gloo), so a call and its wait() return when the
+    communication is done and timing them on the CPU clock means something. With NCCL they only
+    queue work on the GPU, so overlap, timeline and wire bytes are then None (unavailable); the
+    GPU's own kernel times give the overlap instead (gpu_overlap, with --trace)."""
+
+    def __init__(self, world_size, cpu_timed=True):
+        self.world, self.cpu_timed = world_size, cpu_timed
+        self.ops = {}
+        self.wire_bytes = None  # what this process wrote while measuring (Linux, gloo): see bytes_written
+        # Overlap, timed in the wrappers (perf_counter seconds): a collective's span runs from the
+        # call (issue) to its completion; for an async one, completion = when its wait() returns,
+        # an upper bound (gloo may finish earlier on its own threads; nothing cheaper observes it).
+        # `blocked` holds the intervals the calling thread spent inside a blocking collective or
+        # a wait(): communication it did not hide behind compute.
+        self.spans, self.blocked, self.window = [], [], None
+
+    def _record(self, kind, tensor):
+        entry = self.ops.setdefault(kind, {"calls": 0, "bytes": 0})
+        entry["calls"] += 1
+        entry["bytes"] += tensor.numel() * tensor.element_size()
+
+    @contextmanager
+    def measuring(self):
+        originals = {}
+
+        def wrap(name, kind, arg):
+            fn = getattr(dist, name)
+            signature = inspect.signature(fn)
+
+            def metered(*args, **kwargs):
+                bound = signature.bind(*args, **kwargs)
+                self._record(kind, bound.arguments[arg])
+                t0 = time.perf_counter()
+                work = fn(*args, **kwargs)
+                if work is None or not bound.arguments.get("async_op"):
+                    t1 = time.perf_counter()
+                    self.spans.append([kind, t0, t1])
+                    self.blocked.append([t0, t1])
+                    return work
+                span = [kind, t0, None]  # completed by _TimedWork.wait, or at the step's end
+                self.spans.append(span)
+                return _TimedWork(work, span, self.blocked)
+            return fn, metered
+
+        for name, (kind, arg) in _COLLECTIVES.items():
+            if not hasattr(dist, name):  # an older torch
+                continue
+            originals[name], metered = wrap(name, kind, arg)
+            setattr(dist, name, metered)
+        for name in _UNMETERED:  # a lesson calling one of these would go uncounted: refuse
+            originals[name] = getattr(dist, name)
+            setattr(dist, name, _unmetered(name))
+        written = bytes_written() if self.cpu_timed else None
+        start = time.perf_counter()
+        try:
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+            self.window = (start, time.perf_counter())
+        if written is not None:  # the step is over, so every collective it issued has completed
+            self.wire_bytes = bytes_written() - written
+
+    def ring_bytes(self):
+        return sum(RING_FACTOR[k](self.world) * v["bytes"] for k, v in self.ops.items())
+
+    def overlap(self):
+        """comm = union of the collectives' spans within the measured step; exposed = union of
+        the intervals the calling thread was blocked on them; hidden share = 1 - exposed / comm.
+        A collective still in flight when the step ends (06 prefetching the next step's first
+        unit) counts up to the step's end; its later wait() lies outside the step."""
+        if self.window is None or not self.cpu_timed:
+            return None
+        start, end = self.window
+        spans = [(max(a, start), min(end if b is None else b, end)) for _, a, b in self.spans]
+        blocked = [(max(a, start), min(b, end)) for a, b in self.blocked]
+        comm, exposed = _union(spans), _union(blocked)
+        return {"comm_ms": comm * 1e3, "exposed_ms": exposed * 1e3,
+                "hidden_share": 1 - exposed / comm if comm > 0 else 0.0}
+
+    def timeline(self):
+        """Spans in ms from the start of the measured step, for the chart: [kind, start, end]."""
+        if self.window is None or not self.cpu_timed:
+            return None
+        start, end = self.window
+        ms = lambda t: (min(t, end) - start) * 1e3
+        return {"step_ms": ms(end),
+                "comm": [[k, ms(a), ms(end if b is None else b)] for k, a, b in self.spans if a < end],
+                "blocked": [[ms(a), ms(b)] for a, b in self.blocked if a < end]}
+
+
+def gpu_overlap(trace_path):
+    """Overlap on a GPU, from a torch.profiler trace of the measured step: comm = the time NCCL
+    kernels ran, exposed = the part of it with no other kernel running beside them (the GPU's
+    compute did not hide it), hidden share = 1 - exposed / comm. None if the trace has none."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("cat") == "kernel" and "dur" in e]
+    comm = [(a, b) for name, a, b in kernels if "nccl" in name.lower()]
+    compute = [(a, b) for name, a, b in kernels if "nccl" not in name.lower()]
+    if not comm:
+        return None
+    total = _union(comm)
+    hidden = total + _union(compute) - _union(comm + compute)  # |comm & compute|
+    return {"comm_ms": total / 1e3, "exposed_ms": (total - hidden) / 1e3,  # trace times are in us
+            "hidden_share": hidden / total, "source": "GPU kernel times (profiler)"}
+
+
+def _union(intervals):
+    """Total length covered by a set of [a, b] intervals."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+class _TimedWork:
+    """An async collective's Work, passed through, whose wait() records its completion time and
+    the time the caller spent blocked in it. Only collectives issued in the measured step get one."""
+
+    def __init__(self, work, span, blocked):
+        self._work, self._span, self._blocked = work, span, blocked
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self._work.wait(*args, **kwargs)
+        t1 = time.perf_counter()
+        if self._span[2] is None:
+            self._span[2] = t1
+        self._blocked.append([t0, t1])
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def bytes_written():
+    """Bytes this process has written so far, all threads (Linux /proc/self/io `wchar`), or None.
+    gloo sends over TCP with write calls, so on CPU this counts what actually went on the wire,
+    whatever algorithm the backend chose (the ops above count what the lesson asked for)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _unmetered(name):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"dist.{name} is not metered; add it to comm_meter._COLLECTIVES")
+    return refuse
+
+
+def plot_timeline(timelines, strategy, path):
+    """The measured step per rank: communication spans (issue to completion), the intervals the
+    main thread was blocked on them, and compute = the rest of the main thread's time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {"all_reduce": "tab:blue", "reduce_scatter": "tab:orange", "all_gather": "tab:green",
+              "broadcast": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 1.1 * len(timelines)))
+    labelled = set()
+
+    def bar(y, a, b, h, color, label):
+        ax.broken_barh([(a, max(b - a, 1e-3))], (y, h), facecolors=color, alpha=0.6 if "comm" in label else 1,
+                       label=None if label in labelled else label)
+        labelled.add(label)
+
+    for rank, tl in enumerate(timelines):
+        y = rank * 1.1
+        bar(y + 0.55, 0, tl["step_ms"], 0.4, "lightgray", "main thread: compute")
+        for a, b in tl["blocked"]:
+            bar(y + 0.55, a, b, 0.4, "tab:red", "main thread: blocked in collective / wait()")
+        for kind, a, b in tl["comm"]:
+            bar(y + 0.05, a, b, 0.4, colors.get(kind, "tab:gray"), f"comm in flight: {kind}")
+    ax.set_yticks([r * 1.1 + 0.5 for r in range(len(timelines))], [f"rank {r}" for r in range(len(timelines))])
+    ax.set_xlabel("time since the measured step began (ms)")
+    ax.set_title(f"{strategy}: compute vs communication over the measured step")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

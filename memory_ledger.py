@@ -1,0 +1,186 @@
+"""Memory, observed from outside the lessons: MemoryLedger walks the tensors a strategy and its
+optimizer actually hold and sums their storages (each storage once), by category; sampled after
+every tensor operation of the measured step (_PeakParams) it finds the most parameter bytes
+alive at once; PeakAlive observes a construction; max_rss is the whole process.
+"""
+import resource
+import sys
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CATEGORIES = ("params", "grads", "optimizer", "other")
+
+
+class MemoryLedger:
+    """Bytes held per category, from the tensors reachable from the model, the strategy object
+    and the optimizer, each storage counted once (views of one flat buffer count once).
+
+    Classification: model parameters -> params; any `.grad` -> grads; optimizer state and
+    optimizer-owned parameters (fp32 master weights) -> optimizer; other tensors held by the
+    strategy -> by the attribute's name ("grad" -> grads, "master" -> optimizer, "param" ->
+    params), else "other". Freed storages (ZeRO-3's `resize_(0)`) count as zero bytes.
+    `master_weights` is the part of `optimizer` that the optimizers update (fp32 master weights
+    in bf16 mode; 0 in fp32 mode, where they update the parameters themselves).
+    """
+
+    def __init__(self, model, roots):
+        self.model, self.roots = model, roots
+
+    def tensors(self):
+        """Yield (category, tensor) for everything held; params first so views dedup to them."""
+        found = []
+        self._updated = []  # the tensors every optimizer found updates (its param_groups)
+        for p in self.model.parameters():
+            found.append(("params", p))
+        for p in self.model.parameters():
+            if p.grad is not None:
+                found.append(("grads", p.grad))
+        seen = set()
+        for root in self.roots:
+            self._walk(root, "other", found, seen, depth=0)
+        return found
+
+    def _walk(self, obj, category, found, seen, depth):
+        if id(obj) in seen or depth > 8:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append((category, obj))
+            if obj.grad is not None:
+                found.append(("grads", obj.grad))
+        elif isinstance(obj, torch.optim.Optimizer):
+            self._updated += [p for group in obj.param_groups for p in group["params"]]
+            for group in obj.param_groups:
+                for p in group["params"]:
+                    self._walk(p, "optimizer", found, seen, depth + 1)
+            for state in obj.state.values():
+                for t in state.values():
+                    self._walk(t, "optimizer", found, seen, depth + 1)
+            for k, v in vars(obj).items():
+                if isinstance(v, torch.optim.Optimizer):  # a wrapped inner one (ZeroRedundancyOptimizer.optim)
+                    self._walk(v, "optimizer", found, seen, depth + 1)
+                elif k not in ("param_groups", "state", "defaults") and not k.startswith("_"):
+                    self._walk(v, _category(k, category), found, seen, depth + 1)  # 04/05's buffers
+        elif isinstance(obj, nn.Module):
+            for t in list(obj.parameters()) + list(obj.buffers()):
+                self._walk(t, "params", found, seen, depth + 1)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                # a non-string key (a parameter, say) names no category; str() of a tensor would
+                # print it, reading its memory, which ZeRO-3 (06) may have freed
+                self._walk(v, _category(k if isinstance(k, str) else "", category), found, seen, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                self._walk(v, category, found, seen, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__ not in (
+                "torch.distributed.distributed_c10d", "torch._C._distributed_c10d"):
+            for k, v in vars(obj).items():
+                self._walk(v, _category(k, category), found, seen, depth + 1)
+
+    def measure(self):
+        totals = dict.fromkeys(CATEGORIES, 0)
+        counted = set()
+        tensors = self.tensors()
+        updated = {_storage_key(t) for t in self._updated}
+        totals["master_weights"] = 0  # included in "optimizer"
+        for category, t in tensors:
+            if type(t).__name__ == "DTensor":  # FSDP2's parameters: count the local shard
+                t = t.to_local()
+            if t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), t.device)
+            if storage.nbytes() == 0 or key in counted:
+                continue
+            counted.add(key)
+            totals[category] += storage.nbytes()
+            if category == "optimizer" and key in updated:
+                totals["master_weights"] += storage.nbytes()
+        return totals
+
+
+def _storage_key(t):
+    if type(t).__name__ == "DTensor":
+        t = t.to_local()
+    return None if t.device.type == "meta" else (t.untyped_storage().data_ptr(), t.device)
+
+
+def _category(name, inherited):
+    name = name.lower()
+    if "grad" in name:
+        return "grads"
+    if "master" in name or "optim" in name or "exp_avg" in name:
+        return "optimizer"
+    if "param" in name:
+        return "params"
+    return inherited
+
+
+class _PeakParams(TorchDispatchMode):
+    """Samples the parameter bytes alive after every tensor operation of the measured step.
+
+    Also keeps the series: `timeline` holds [op index, parameter bytes, phase, op name] at every
+    operation after which the bytes or the phase (forward, backward, optimizer) changed."""
+
+    def __init__(self, ledger):
+        super().__init__()
+        self.ledger, self.peak = ledger, 0
+        self.ops, self.in_optimizer, self.timeline = 0, False, []
+
+    def sample(self, name="start"):
+        params = self.ledger.measure()["params"]
+        self.peak = max(self.peak, params)
+        phase = ("optimizer" if self.in_optimizer else
+                 "backward" if torch._C._current_graph_task_id() != -1 else "forward")
+        if not self.timeline or self.timeline[-1][1:3] != [params, phase]:
+            self.timeline.append([self.ops, params, phase, name])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        self.sample(str(func))
+        return out
+
+    def optimizer_begins(self):
+        """From optimizer.step() to the end of the step is the optimizer's phase, and so is what
+        ran between the last backward and it (clipping, say)."""
+        if any(s[2] == "backward" for s in self.timeline):
+            for s in reversed(self.timeline):
+                if s[2] != "forward":
+                    break
+                s[2] = "optimizer"
+        self.in_optimizer = True
+
+
+class PeakAlive(TorchDispatchMode):
+    """The most bytes held at once by tensors created while it is active, sampled after every
+    tensor operation (each storage once; a freed storage counts zero). Observes a construction
+    from outside, e.g. ZeRO-3 (06) materialising a model one unit at a time: everything it
+    allocates counts, shards, full units and the initialiser's temporaries alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive, self.peak = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (list, tuple)) else [out]):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.alive.append(weakref.ref(t))
+        self.alive = [r for r in self.alive if r() is not None]
+        storages = {}
+        for r in self.alive:
+            t = r()
+            if t is not None and t.untyped_storage().nbytes():
+                storages[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(storages.values()))
+        return out
+
+
+def max_rss():
+    """Peak resident set size of this process, bytes (getrusage: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
