@@ -5,7 +5,7 @@
     python scripts/grade.py student/ --lessons 01 03  # some lessons only
 
 The tests come from this checkout, the lessons (and bucket.py) from the edition: one pytest run
-with DP_LESSONS=EDITION (tests/harness.py reads it), its results read from pytest's JUnit XML.
+with DP_LESSONS=EDITION (tests/graded.py reads it), its results read from pytest's JUnit XML.
 Points, and which tests grade which lesson, live in tests/points.toml. A lesson that `uses` a
 graded file it does not own (05: bucket.py, 03's) and fails while that file fails its own tests
 is graded again with this checkout's copy (DP_REFERENCE=bucket), and the table says so. The

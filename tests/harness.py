@@ -1,7 +1,6 @@
-"""Test plumbing: load a lesson by file name, run a function on N spawned ranks (gloo, CPU,
-a free port), and train the single-process reference every lesson is held to."""
+"""Test plumbing: run a function on N spawned ranks (gloo, CPU, a free port), and train the
+single-process reference every lesson is held to. (Loading a graded file: graded.py.)"""
 import functools
-import importlib.util
 import os
 import random
 import sys
@@ -13,61 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Where the graded files (the lessons and bucket.py) are read from: this checkout, or a student
-# edition (scripts/student_edition.py) named by DP_LESSONS. The one place the tests learn it;
-# spawned ranks and torchrun's processes inherit the variable (with it set, spawn() starts
-# every rank as a new interpreter). Support modules (common, model, measure) come from this
-# checkout in spawned ranks, so the reference a lesson is held to is the grader's (a lesson run
-# as a script by torchrun imports those beside it: the edition's copies).
-# The graded tests (tests/points.toml) read it; the tools' tests (lecture, notebooks, benchmark)
-# run scripts/, which always use this checkout's lessons.
-LESSONS_DIR = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT)
-# Graded files taken from this checkout even so (DP_REFERENCE=bucket): scripts/grade.py grades
-# 05 again with the reference bucket.py when the edition's fails its own tests, so an unfinished
-# 03 costs 03's points only.
-REFERENCE = set(filter(None, os.environ.get("DP_REFERENCE", "").split(",")))
-
-
-def lesson_file(name):
-    """The path of graded file `name` ("03_buckets", "bucket"): for running it as a script."""
-    return os.path.join(ROOT if name in REFERENCE else LESSONS_DIR, f"{name}.py")
-
-
-def load_lesson(name):
-    """Import a graded file from LESSONS_DIR as a module: a lesson ("03_buckets", a name that
-    is not a valid module name) or "bucket"."""
-    path = lesson_file(name)
-    module = sys.modules.get(name)
-    if module is not None:
-        if os.path.realpath(getattr(module, "__file__", "") or "") != os.path.realpath(path):
-            raise ImportError(f"{name} was imported from {module.__file__} before the tests could "
-                              f"load it from {LESSONS_DIR}: import it through harness.load_lesson")
-        return module
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no {name}.py in {LESSONS_DIR} (DP_LESSONS={os.environ.get('DP_LESSONS')!r})")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:
-        # None, not absent: a plain `import bucket` must never fall back to this checkout's
-        sys.modules[name] = None
-        if name != "bucket" and isinstance(e, ImportError) and e.name == "bucket":
-            load_lesson("bucket")  # the lesson failed because bucket.py did: raise its error
-        raise
-    return module
-
-
-# The lessons' own `from bucket import BucketManager` must find LESSONS_DIR's bucket.py, not
-# this checkout's (a student edition has its own): load it now, before any lesson is loaded.
-# If it is broken, only what uses it fails, with its error.
-if os.path.exists(lesson_file("bucket")):
-    try:
-        load_lesson("bucket")
-    except Exception:
-        pass
+# Which files are graded and where they are read from (this checkout or a student edition):
+# the course kit's own module, tests/graded.py.
+from graded import ROOT, load_lesson  # noqa: E402  (ROOT: also the tests')
 
 
 def _worker(rank, world, port, fn, args, out_dir):

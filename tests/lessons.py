@@ -4,7 +4,7 @@ Every entry builds a trainer around a plain nn.Module whose forward(x, y) return
     trainer.train_step(micro_batches) -> this rank's loss for the step (mean of micro-steps)
     trainer.full_parameters()         -> {name: full fp32 tensor}, identical on every rank
 Tests use nothing else, so a lesson (or a student's version of it) plugs in here only. Which
-files: harness.load_lesson, from this checkout or from the student edition named by DP_LESSONS.
+files: graded.load_lesson, from this checkout or from the student edition named by DP_LESSONS.
 """
 import contextlib
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import optimizers
-from harness import load_lesson
+from graded import load_lesson
 
 
 def _named_full(module):

@@ -8,9 +8,9 @@ import torch.distributed as dist
 
 import common
 import optimizers
-import measure
 import memory_ledger
-from harness import gpt_train, load_lesson, once, run_lesson, spawn
+from graded import load_lesson
+from harness import gpt_train, once, run_lesson, spawn
 from lessons import build
 from model import GPT
 from toy import make_toy, toy_reference, toy_train
@@ -38,7 +38,7 @@ def layout(argv, world):
     padded to a multiple of N on its own."""
     args = common.parse_args(argv)
     model = GPT(common.model_config(args), seed=None).to(common.working_dtype(args))
-    manager = load_lesson("bucket").BucketManager  # the graded bucket.py (harness.LESSONS_DIR)
+    manager = load_lesson("bucket").BucketManager  # the graded bucket.py (graded.LESSONS_DIR)
     params = [p for g in optimizers.decay_groups(model, 0.1) for p in g["params"]]  # main()'s groups, in order
     buckets = manager(params, args.bucket_mb, launch=None, grads_as_views=False, pad_to=world).buckets
     return sum(b.numel_padded for b in buckets), len(buckets)

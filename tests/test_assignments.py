@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import harness
+import graded
 from harness import ROOT, spawn
 from runs_path import LESSONS  # noqa: F401  (puts scripts/ on the path)
 
@@ -142,7 +142,7 @@ def _every_lesson_through_the_adapter():
     """In a spawned rank: build and train each lesson on the toy through tests/lessons.py."""
     from lessons import build
     from toy import toy_train
-    out = {"files": {name: os.path.dirname(harness.load_lesson(name).__file__) for name in GRADED}}
+    out = {"files": {name: os.path.dirname(graded.load_lesson(name).__file__) for name in GRADED}}
     for lesson in LESSONS:
         try:
             toy_train(build, lesson[:2], steps=1)

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness import load_lesson
+from graded import load_lesson
 from toy import make_toy
 
-BucketManager = load_lesson("bucket").BucketManager  # the graded bucket.py (harness.LESSONS_DIR)
+BucketManager = load_lesson("bucket").BucketManager  # the graded bucket.py (graded.LESSONS_DIR)
 
 MIB = 2 ** 20
 

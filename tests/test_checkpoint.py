@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 import checkpoint
 import common
-from harness import ROOT, lesson_file, load_lesson, reference, run_lesson, spawn
+from graded import lesson_file, load_lesson
+from harness import ROOT, reference, run_lesson, spawn
 from lessons import build
 from model import GPT
 from toy import BATCH, make_toy, toy_batch

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from harness import ROOT, lesson_file
+from graded import lesson_file
+from harness import ROOT
 from runs_path import LESSONS  # noqa: F401  (tests/runs_path.py puts scripts/ on the path)
 
 # no GPU visible, so `--device cuda` fails the same way on a machine with GPUs

@@ -22,7 +22,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import common
 import optimizers
-from harness import load_lesson, once, spawn
+from graded import load_lesson
+from harness import once, spawn
 from zero_parity import ARGV, key_bias_apart  # ARGV: a GPT whose Psi no world size divides
 
 STEPS, ACCUM = 4, 2
