@@ -47,8 +47,9 @@ class VanillaDP(common.Replicated):
     def all_reduce_gradients(self):
         # Each rank's loss is the mean over its own rows; the global loss is the mean of those
         # means, so the global gradient is the SUM of the ranks' gradients divided by N.
-        # (Dividing first, as DDP does, keeps a bf16 sum from overflowing, and works on every
-        # backend: older gloo had no ReduceOp.AVG.)
+        # (Dividing first, as DDP does, works on every backend, where older gloo had no
+        # ReduceOp.AVG; in fp16 it would also keep the sum from overflowing, a concern bf16,
+        # with fp32's range, does not have.)
         # model.parameters() yields a tied parameter once, so it is reduced once.
         # ### BEGIN SOLUTION: average the gradients
         # TODO: for every parameter of self.module that has a gradient (skip p.grad None),

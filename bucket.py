@@ -1,4 +1,4 @@
-"""Gradient buckets, shared by 03 (all-reduce), 05 and 06 (reduce-scatter).
+"""Gradient buckets, shared by 03 (all-reduce) and 05 (reduce-scatter); 06 reduce-scatters per unit.
 
 One collective per gradient pays the per-call latency once per parameter (a GPT has dozens of
 small ones). A bucket packs many gradients into one flat buffer, so one collective moves them
@@ -62,7 +62,7 @@ class BucketManager:
     grads_as_views  True (03): each `p.grad` IS a view of its bucket's buffer, allocated once,
                     so autograd accumulates straight into the buffer, no copies (from a
                     parameter's first gradient on, as DDP's gradient_as_bucket_view).
-                    False (05, 06): the buffer exists only while the bucket is in flight;
+                    False (05): the buffer exists only while the bucket is in flight;
                     `ready(p)` copies p.grad into it and drops p.grad.
     pad_to          pad every bucket to a multiple of this (the world size for reduce-scatter)
     on_done         on_done(bucket) after its collective finished (e.g. keep my shard, free)
