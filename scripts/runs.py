@@ -8,6 +8,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the trainers (00_collectives.py trains nothing: it runs on its own, and is tested on its own)
 LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3"]
 
 

@@ -81,9 +81,9 @@ def test_in_an_existing_group_the_device_follows_its_backend():
 # all_gather_single / reduce_scatter_single are not here: torch 2.11 does not have them.
 SUPPORTED = {"HashStore", "all_gather_into_tensor", "all_gather_object", "all_reduce", "barrier",
              "broadcast", "broadcast_object_list", "destroy_process_group", "get_backend", "get_rank",
-             "get_world_size", "init_process_group", "is_initialized", "reduce_scatter_tensor",
+             "get_world_size", "init_process_group", "is_initialized", "isend", "recv", "reduce_scatter_tensor",
              "distributed_c10d._get_default_store", "distributed_c10d._abort_process_group"}
-FILES = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3",
+FILES = ["00_collectives", "01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3",
          "bucket", "checkpoint", "comm_meter", "common", "lifecycle", "measure", "memory_ledger", "model",
          "optimizers", "theory"]
 

@@ -1,0 +1,165 @@
+"""Lesson 00: the collectives themselves. Ring reduce-scatter, all-gather and all-reduce, written
+with point-to-point sends, checked against torch.distributed's own, their bytes counted.
+
+Every later lesson moves gradients and parameters with three collectives. On N ranks, each
+holding a tensor of Psi elements cut into N chunks:
+- reduce-scatter: rank r ends with chunk r summed over all ranks;
+- all-gather: every rank ends with every rank's chunk;
+- all-reduce: every rank ends with the whole tensor summed: a reduce-scatter, then an all-gather.
+The ring runs each as N - 1 steps in which every rank sends one chunk (Psi / N elements) to its
+right neighbour and receives one from its left, all ranks at once:
+
+    reduce-scatter, step s: send chunk (r - s - 1) mod N, add the received chunk (r - s - 2) mod N
+                            into my copy of it; after N - 1 steps chunk r holds all N terms
+    all-gather,     step s: send chunk (r - s) mod N, store the received chunk (r - s - 1) mod N
+
+So each rank sends (N - 1) chunks: Psi (N-1)/N elements for a reduce-scatter or an all-gather,
+2 Psi (N-1)/N for an all-reduce, whatever N is, and the busiest link never carries more. That is
+why ZeRO (04, 05) can replace an all-reduce by a reduce-scatter and an all-gather at no extra
+traffic: that pair IS the all-reduce, pulled apart. Psi here is the lessons' GPT's parameter
+count (the gradient every lesson reduces), padded to a multiple of N.
+
+    python 00_collectives.py                          # one process: nothing to send
+    torchrun --nproc_per_node=2 00_collectives.py     # 2 ranks on CPU (gloo)
+    torchrun --nproc_per_node=3 00_collectives.py     # any N: 3 is not a power of two
+
+PyTorch: dist.reduce_scatter_tensor, dist.all_gather_into_tensor, dist.all_reduce (NCCL and
+gloo pick their own algorithms: rings, trees, halving-doubling; gloo's reduce-scatter on CPU is
+an all-reduce underneath, which the wire bytes below show).
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import common
+import lifecycle
+from comm_meter import bytes_written
+from model import GPT
+
+
+# ----------------------------------------------------------------------------- the collectives
+class Ring:
+    """Ring collectives over point-to-point sends. `sent` counts the bytes this rank sends."""
+
+    def __init__(self):
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.right, self.left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        self.sent = 0
+
+    def _exchange(self, send, recv):
+        """Send `send` to the right neighbour while receiving `recv` from the left one."""
+        request = dist.isend(send, self.right)  # async: every rank sends and receives at once
+        dist.recv(recv, self.left)
+        request.wait()
+        self.sent += send.numel() * send.element_size()
+
+    def reduce_scatter(self, full):
+        """full: (N * c,) on every rank -> (c,): chunk r of the sum over ranks."""
+        n, r = self.world_size, self.rank
+        chunks = list(full.clone().chunk(n))  # my working copy, cut in N chunks of c elements
+        incoming = torch.empty_like(chunks[0])
+        # ### BEGIN SOLUTION: ring reduce-scatter
+        # TODO: for s in range(n - 1): exchange chunks[(r - s - 1) % n] for `incoming` (which
+        #       holds chunk (r - s - 2) % n from the left) and add it into that chunk. After the
+        #       last step chunks[r] holds all N ranks' terms.
+        for s in range(n - 1):
+            self._exchange(chunks[(r - s - 1) % n], incoming)
+            chunks[(r - s - 2) % n] += incoming
+        # ### END SOLUTION
+        return chunks[r]
+
+    def all_gather(self, mine):
+        """mine: (c,) chunk r -> (N * c,): every rank's chunk, in rank order."""
+        n, r = self.world_size, self.rank
+        full = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)
+        chunks = full.chunk(n)
+        chunks[r].copy_(mine)
+        for s in range(n - 1):  # pass each chunk on, one hop a step
+            self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
+        return full
+
+    def all_reduce(self, full):
+        """The sum over ranks, on every rank: reduce-scatter, then all-gather."""
+        return self.all_gather(self.reduce_scatter(full))
+
+
+# ----------------------------------------------------------------------------- checked and counted
+def measured(fn):
+    """fn() with the bytes this process wrote on the wire while it ran (None off Linux)."""
+    dist.barrier()
+    before = bytes_written()
+    out = fn()
+    after = bytes_written()
+    return out, None if before is None else after - before
+
+
+def main(argv=None):
+    # the shared flags (--seed, --n-layer, ... for Psi, --report); no batch is trained here, so
+    # its default must not stop N = 3: a global batch of N by default, which any N divides
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = common.parse_args(["--global-batch", str(world), *(sys.argv[1:] if argv is None else argv)],
+                             description=__doc__)
+    env = common.init_distributed(args)
+    n, r = env.world_size, env.rank
+    with torch.device("meta"):
+        psi = common.n_params(GPT(common.model_config(args), seed=None))
+    numel = -(-psi // n) * n  # padded to a multiple of N, as 04-06 pad their flat buffers
+    # Small integers: every sum is exact in fp32 in any order, so the ring's answer and
+    # torch's must be equal bit for bit, whatever order each adds in.
+    g = torch.Generator().manual_seed(args.seed + r)
+    x = torch.randint(-8, 8, (numel,), generator=g).float().to(env.device)
+    ring, out = Ring(), {}
+    checks = {  # ours, torch's
+        "reduce_scatter": (lambda: ring.reduce_scatter(x), lambda: _reduce_scatter(x, n)),
+        "all_gather": (lambda: ring.all_gather(x[:numel // n]),
+                       lambda: _all_gather(x[:numel // n], numel)),
+        "all_reduce": (lambda: ring.all_reduce(x), lambda: _all_reduce(x)),
+    }
+    for kind, (ours, theirs) in checks.items():
+        ring.sent = 0
+        mine, wire = measured(ours)
+        want, torch_wire = measured(theirs)
+        out[kind] = {"equal_to_torch": bool(torch.equal(mine, want)), "sent_bytes": ring.sent,
+                     "wire_bytes": wire, "torch_wire_bytes": torch_wire,
+                     "ring_bytes": (2 if kind == "all_reduce" else 1) * (n - 1) * numel // n * 4}
+    gathered = [None] * n
+    dist.all_gather_object(gathered, out)
+    if env.master:
+        print(f"Psi = {psi:,} fp32 elements (padded to {numel:,}), {n} rank{'s' if n > 1 else ''}; bytes sent per rank")
+        for kind in checks:
+            o = out[kind]
+            wire = "n/a" if o["wire_bytes"] is None else f"{o['wire_bytes'] / 2 ** 20:.3f}"
+            torch_wire = "n/a" if o["torch_wire_bytes"] is None else f"{o['torch_wire_bytes'] / 2 ** 20:.3f}"
+            print(f"  {kind:>14}: ours {o['sent_bytes'] / 2 ** 20:.3f} MiB (theory {o['ring_bytes'] / 2 ** 20:.3f}, "
+                  f"on the wire {wire}) | torch's on the wire {torch_wire} MiB | "
+                  f"{'equal' if all(g[kind]['equal_to_torch'] for g in gathered) else 'DIFFERENT'} on every rank")
+        if args.report:
+            with open(args.report, "w") as f:
+                json.dump({"lesson": "00_collectives", "world_size": n, "n_params": psi, "numel": numel,
+                           "comm": {"per_rank": gathered}}, f, indent=1)
+    return gathered
+
+
+def _reduce_scatter(full, n):
+    mine = torch.empty(full.numel() // n, device=full.device)
+    dist.reduce_scatter_tensor(mine, full)
+    return mine
+
+
+def _all_gather(mine, numel):
+    full = torch.empty(numel, device=mine.device)
+    dist.all_gather_into_tensor(full, mine)
+    return full
+
+
+def _all_reduce(x):
+    y = x.clone()
+    dist.all_reduce(y)
+    return y
+
+
+if __name__ == "__main__":
+    lifecycle.run_main(main)
