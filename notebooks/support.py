@@ -2,7 +2,8 @@
 
 Not part of any lesson. The notebooks call
     sweeps()            every lesson at every world size, in one torchrun launch (scripts/sweep.py)
-    bandwidth(world)    all-reduce / reduce-scatter / all-gather by message size (scripts/bandwidth.py)
+    bandwidth(world)    all-reduce / reduce-scatter / all-gather by message size, gloo's and lesson
+                        00's ring (scripts/bandwidth.py --ring)
     style(), save(fig, name)
 
 Environment (set by `make figures` through scripts/figures.py, and by tests/test_notebooks.py):
@@ -99,7 +100,7 @@ def sweeps(worlds=None, flags=FLAGS):
 
 def bandwidth(world=2):
     """scripts/bandwidth.py at `world` ranks: a timing, so it is measured afresh every time."""
-    return launch("scripts/bandwidth", world, ["--quick"] if QUICK else [])
+    return launch("scripts/bandwidth", world, ["--ring"] + (["--quick"] if QUICK else []))
 
 
 # ----------------------------------------------------------------------------- figures

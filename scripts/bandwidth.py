@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 scripts/bandwidth.py                 # 1 KiB ... 64 MiB, a table
     torchrun --nproc_per_node=2 scripts/bandwidth.py --quick --report bw.json
+    torchrun --nproc_per_node=2 scripts/bandwidth.py --ring          # and lesson 00's ring beside gloo
 
 Conventions (those of nccl-tests, so numbers compare with what GPU papers quote):
 - size S = bytes of the full tensor: the all-reduce's tensor, the reduce-scatter's input, the
@@ -62,11 +63,25 @@ def collective(op, full, shard):
     return lambda: dist.all_gather_into_tensor(full, shard)
 
 
-def measure(op, size, reps):
+def ring_collective(op, full, shard):
+    """Lesson 00's ring, written with point-to-point sends, doing what collective() does."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("collectives00", os.path.join(ROOT, "00_collectives.py"))
+    lesson = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lesson)
+    ring = lesson.Ring()
+    if op == "all_reduce":
+        return lambda: full.copy_(ring.all_reduce(full))
+    if op == "reduce_scatter":
+        return lambda: shard.copy_(ring.reduce_scatter(full))
+    return lambda: full.copy_(ring.all_gather(shard))
+
+
+def measure(op, size, reps, impl="gloo"):
     n = dist.get_world_size()
     full = torch.ones(size // 4)  # fp32
     shard = torch.ones(size // 4 // n)
-    run = collective(op, full, shard)
+    run = (collective if impl == "gloo" else ring_collective)(op, full, shard)
     for _ in range(2):  # warm-up: connections, buffers
         run()
     times, wire = [], 0
@@ -82,7 +97,7 @@ def measure(op, size, reps):
     wires = [None] * n
     dist.all_gather_object(wires, wire / reps if bytes_written() is not None else None)
     algbw = size / time_s
-    return {"op": op, "bytes": size, "reps": reps, "time_s": time_s, "algbw": algbw,
+    return {"op": op, "impl": impl, "bytes": size, "reps": reps, "time_s": time_s, "algbw": algbw,
             "busbw": algbw * RING_FACTOR[op](n), "ring_bytes_per_rank": RING_FACTOR[op](n) * size,
             "wire_bytes_per_rank": wires}
 
@@ -130,6 +145,7 @@ def main():
     p.add_argument("--report", help="write the results as JSON (rank 0)")
     p.add_argument("--device", choices=["cpu"], default="cpu", help="gloo on CPU (the only one measured here)")
     p.add_argument("--contention", action="store_true", help="compute alone, all-reduce alone, both at once")
+    p.add_argument("--ring", action="store_true", help="also time lesson 00's ring collectives (point-to-point sends)")
     a = p.parse_args()
     env = common.init_distributed(common.parse_args(["--device", a.device]))
     sizes = a.sizes or (QUICK_SIZES if a.quick else SIZES)
@@ -147,12 +163,13 @@ def main():
                       f"{r['hidden']:5.0%} | compute slowed {r['compute_slowdown']:.2f}x", flush=True)
         sizes = []
     for size in sizes:
-        for op in ("all_reduce", "reduce_scatter", "all_gather"):
-            r = measure(op, size, repetitions(size, a.quick))
+        for op, impl in [(op, impl) for op in ("all_reduce", "reduce_scatter", "all_gather")
+                         for impl in ("gloo", "ring") if impl == "gloo" or a.ring]:
+            r = measure(op, size, repetitions(size, a.quick), impl)
             results.append(r)
             if env.master:
                 wire = r["wire_bytes_per_rank"][0]
-                print(f"{op:>15} {size / KIB:>9.0f} KiB | {r['time_s'] * 1e3:8.3f} ms | "
+                print(f"{op:>15} {impl:>4} {size / KIB:>9.0f} KiB | {r['time_s'] * 1e3:8.3f} ms | "
                       f"algbw {r['algbw'] / 1e9:6.3f} GB/s | busbw {r['busbw'] / 1e9:6.3f} GB/s | "
                       f"wire {'n/a' if wire is None else f'{wire / size:.3f} S'} "
                       f"(ring {r['ring_bytes_per_rank'] / size:.3f} S)", flush=True)
