@@ -79,7 +79,7 @@ def main(argv=None):
     optimizer = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                            **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "async_allreduce", model.module, optimizer, holders=[model])
-    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module, optimizer)  # --checkpoint-dir
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module, optimizer.checkpoint_shards)  # --checkpoint-dir
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

@@ -10,9 +10,9 @@ once, then fills whatever the NEW layout gives this rank: its shard under N' ran
 parameter. So resuming at another world size is the same code as resuming at the same one. (So
 DIR must be one directory that every rank sees: on several nodes, a shared filesystem.)
 
-A strategy says what it holds with `checkpoint_shards(names) -> [FlatShard, ...]`: a method
-(01-03: optimizers.MixedPrecisionAdamW) or a function (04, 05 and 06 each have theirs, at the
-end of the lesson; 04's and 05's use flat_buffer_shards). On disk, DIR/step_000040/:
+A strategy says what it holds with a function `checkpoint_shards(names) -> [FlatShard, ...]`
+(01-03: optimizers.MixedPrecisionAdamW's method; 04, 05 and 06 each have theirs, at the end of
+the lesson; 04's and 05's use flat_buffer_shards). On disk, DIR/step_000040/:
     rank{r}.pt   rank r's ranges and RNG state        (torch.save; read with weights_only=True)
     meta.json    rank 0: config, step, world size, layout (who wrote which range), parameters
                  (each rank's RNG state is in its own file: every rank draws its own numbers)
@@ -79,7 +79,7 @@ def _pieces(params, a, b):
 
 def _shards(module, holder):
     names = {p: n for n, p in module.named_parameters()}  # a tied weight: its first name
-    shards = holder.checkpoint_shards(names) if hasattr(holder, "checkpoint_shards") else holder(names)
+    shards = holder(names)
     packed = {n for s in shards for n, _ in s.params}
     for p, n in names.items():  # parameters the strategy replicates and no optimizer updates
         if n not in packed:      # (frozen ones in 04, 05): rank 0 writes them, every rank loads
@@ -334,7 +334,7 @@ class Checkpointer:
 
     strategy  the lesson's strategy name ("zero1"): a checkpoint of another lesson is refused
     module    the plain model (names and shapes: GPT's, so a checkpoint consolidates into GPT)
-    holder    the object whose checkpoint_shards(names) says what this rank holds, or that function
+    holder    checkpoint_shards(names) -> [FlatShard]: what this rank holds (a method or a function)
     """
 
     # the model's shape and precision, and the data stream (step k's batch is a function of the

@@ -65,11 +65,8 @@ def collective(op, full, shard):
 
 def ring_collective(op, full, shard):
     """Lesson 00's ring, written with point-to-point sends, doing what collective() does."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("collectives00", os.path.join(ROOT, "00_collectives.py"))
-    lesson = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lesson)
-    ring = lesson.Ring()
+    from runs import load_lesson  # (scripts/: imported once, then cached)
+    ring = load_lesson("00_collectives").Ring()
     if op == "all_reduce":
         return lambda: full.copy_(ring.all_reduce(full))
     if op == "reduce_scatter":

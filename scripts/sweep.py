@@ -27,7 +27,6 @@ Running lessons back to back in one process is sound because (checked here, not 
 """
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import sys
@@ -43,20 +42,9 @@ import torch.distributed as dist  # noqa: E402
 import common  # noqa: E402
 import lifecycle  # noqa: E402
 import measure  # noqa: E402
-from runs import available_lessons  # noqa: E402
+from runs import available_lessons, load_lesson  # noqa: E402
 
 NO_PREFETCH = "06_zero3 --prefetch 0"
-
-
-def load_lesson(name):
-    """Import `04_zero1.py` (not a valid module name) as a module; nothing runs at import."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def regroup(world, rank, store, timeout):

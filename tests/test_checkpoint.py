@@ -75,8 +75,8 @@ def handles(lesson, trainer):
         name = {"04": "04_zero1", "05": "05_zero2"}[lesson]
         return trainer.model, functools.partial(load_lesson(name).checkpoint_shards, trainer.opt)
     if lesson == "01":
-        return trainer.module, trainer.opt
-    return trainer.model, trainer.opt
+        return trainer.module, trainer.opt.checkpoint_shards
+    return trainer.model, trainer.opt.checkpoint_shards
 
 
 def optimizer_of(lesson, trainer):
