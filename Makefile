@@ -10,36 +10,36 @@ setup:
 	@$(if $(PYTHON),true,bash scripts/setup.sh)
 
 demo: setup      ## run every lesson at 2 ranks on CPU and print one comparison table
-	$(PY) scripts/demo.py --nproc 2
+	$(PY) -m scripts.learn.demo --nproc 2
 
 test: setup      ## the whole test suite (CPU, gloo)
 	$(PY) -m pytest -q tests
 
 bench: setup     ## every lesson against its PyTorch counterpart, interleaved: runs/bench/bench.{md,json,png}
-	$(PY) scripts/bench.py
+	$(PY) -m scripts.perf.bench
 
 scaling: setup   ## step time, bytes sent and held per rank vs model size (~1M-50M) and world size (1, 2, 4)
-	$(PY) scripts/scaling.py
+	$(PY) -m scripts.perf.scaling
 
 figures: setup   ## regenerate the README's figures from fresh runs
-	$(PY) scripts/figures.py
+	$(PY) -m scripts.perf.figures
 
 lecture: setup   ## the lecture run: 01 -> 06 at 2 ranks in one launch, one table (about 2 minutes); FIGURES=1 also redraws the README's figures
-	$(PY) scripts/lecture.py $(if $(filter 1 yes true,$(FIGURES)),--figures)
+	$(PY) -m scripts.learn.lecture $(if $(filter 1 yes true,$(FIGURES)),--figures)
 
 diffs: setup     ## regenerate docs/diffs/ (the diff between consecutive lessons)
-	$(PY) scripts/diffs.py
+	$(PY) -m scripts.learn.diffs
 
 timelines: setup ## one traced step per lesson: overlap table, docs/figures/timeline_*.png (about 2 minutes)
-	$(PY) scripts/timelines.py
+	$(PY) -m scripts.perf.timelines
 
 .PHONY: student-edition grade
 OUT ?= student
 student-edition: setup ## the student edition: every lesson's solution regions cut out, into OUT (default student/)
-	$(PY) scripts/student_edition.py $(OUT)
+	$(PY) -m scripts.course.student_edition $(OUT)
 
 grade: setup     ## grade a student edition: make grade EDITION=student (default: this checkout); points: tests/points.toml
-	$(PY) scripts/grade.py $(EDITION)
+	$(PY) -m scripts.course.grade $(EDITION)
 
 gpu-check: setup ## on a machine with GPUs: every lesson on CUDA/nccl, fp32 and bf16, one table (runs/gpu_check/); no GPU: says so
-	$(PY) scripts/gpu_check.py
+	$(PY) -m scripts.perf.gpu_check

@@ -1,12 +1,12 @@
 """What the two notebooks share: running the measurements, and one figure style for a projector.
 
 Not part of any lesson. The notebooks call
-    sweeps()            every lesson at every world size, in one torchrun launch (scripts/sweep.py)
+    sweeps()            every lesson at every world size, in one torchrun launch (scripts/perf/sweep.py)
     bandwidth(world)    all-reduce / reduce-scatter / all-gather by message size, gloo's and lesson
-                        00's ring (scripts/bandwidth.py --ring)
+                        00's ring (scripts/perf/bandwidth.py --ring)
     style(), save(fig, name)
 
-Environment (set by `make figures` through scripts/figures.py, and by tests/test_notebooks.py):
+Environment (set by `make figures` through scripts/perf/figures.py, and by tests/test_notebooks.py):
     NOTEBOOK_QUICK=1    fewer world sizes and message sizes (the test suite's budget)
     FIGURES_DIR=path    also write every figure there as PNG
     NOTEBOOK_CACHE=dir  where sweep results are kept (default runs/notebook_cache)
@@ -20,11 +20,10 @@ import matplotlib as mpl
 import matplotlib.pyplot as plt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.join(ROOT, "scripts")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+if ROOT not in sys.path:  # the notebook runs in notebooks/; the lessons and tools live one up
+    sys.path.insert(0, ROOT)
 
-from runs import LESSONS, available_lessons, launch  # noqa: E402
+from scripts.runs import LESSONS, available_lessons, launch  # noqa: E402
 
 QUICK = os.environ.get("NOTEBOOK_QUICK") == "1"
 FIGURES_DIR = os.environ.get("FIGURES_DIR")
@@ -62,7 +61,7 @@ def _code_hash(extra):
     h = hashlib.sha256(json.dumps([extra, torch.__version__]).encode())
     files = [f"{n}.py" for n in LESSONS] + ["bucket.py", "checkpoint.py", "comm_meter.py", "common.py", "lifecycle.py",
                                              "measure.py", "memory_ledger.py", "model.py", "optimizers.py",
-                                             "theory.py", "scripts/sweep.py"]
+                                             "theory.py", "scripts/perf/sweep.py"]
     for name in files:
         path = os.path.join(ROOT, name)
         if os.path.exists(path):
@@ -73,7 +72,7 @@ def _code_hash(extra):
 
 def sweeps(worlds=None, flags=FLAGS):
     """{world: {run name: report}}: every lesson at every world size, in ONE torchrun launch of
-    max(worlds) ranks (scripts/sweep.py re-forms the group for the smaller sizes); the ZeRO-3
+    max(worlds) ranks (scripts/perf/sweep.py re-forms the group for the smaller sizes); the ZeRO-3
     timeline runs ride along at TIMELINE_WORLD ranks.
 
     Kept in CACHE under a hash of the arguments and of every source file that could change the
@@ -89,7 +88,7 @@ def sweeps(worlds=None, flags=FLAGS):
         argv = [*flags, "--worlds", *map(str, worlds), "--lessons", *lessons, "--track-peak", *track]
         if extra:
             argv += ["--at", str(TIMELINE_WORLD), *extra]
-        result = launch("scripts/sweep", max(worlds), argv)  # torchrun ... sweep.py --report ...
+        result = launch("scripts.perf.sweep", max(worlds), argv)  # torchrun ... sweep.py --report ...
         os.makedirs(CACHE, exist_ok=True)
         with open(path + ".tmp", "w") as f:
             json.dump(result, f)
@@ -99,8 +98,8 @@ def sweeps(worlds=None, flags=FLAGS):
 
 
 def bandwidth(world=2):
-    """scripts/bandwidth.py at `world` ranks: a timing, so it is measured afresh every time."""
-    return launch("scripts/bandwidth", world, ["--ring"] + (["--quick"] if QUICK else []))
+    """scripts/perf/bandwidth.py at `world` ranks: a timing, so it is measured afresh every time."""
+    return launch("scripts.perf.bandwidth", world, ["--ring"] + (["--quick"] if QUICK else []))
 
 
 # ----------------------------------------------------------------------------- figures

@@ -18,13 +18,13 @@ def available_lessons():
 
 
 def launch(script, nproc, args=(), echo=False, report=True, threads=1, env=None):
-    """Run `script` (a lesson, or any torchrun-able file) on `nproc` CPU ranks (gloo, also on a
+    """Run `script` (a lesson's name, or a tool's module such as "scripts.perf.sweep") on `nproc` CPU ranks (gloo, also on a
     machine with GPUs; a `--device` in args overrides), `threads` each, `env` added to the
     environment; return its report (a dict) or raise with the run's output."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "report.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--standalone", os.path.join(ROOT, f"{script}.py"), "--device", "cpu", *map(str, args)]
+               "--standalone", *(["-m", script] if "." in script else [os.path.join(ROOT, f"{script}.py")]), "--device", "cpu", *map(str, args)]
         if report:
             cmd += ["--report", path]
         env = dict(os.environ, **(env or {}), OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")

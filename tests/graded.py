@@ -1,6 +1,6 @@
 """The course kit's grading plumbing: which files are graded (the lessons and bucket.py) and
 where the tests read them from, this checkout or a student edition (DP_LESSONS), with
-exceptions taken from this checkout (DP_REFERENCE). scripts/grade.py sets both; the tests load
+exceptions taken from this checkout (DP_REFERENCE). scripts/course/grade.py sets both; the tests load
 every graded file through load_lesson.
 """
 import importlib.util
@@ -9,7 +9,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where the graded files (the lessons and bucket.py) are read from: this checkout, or a student
-# edition (scripts/student_edition.py) named by DP_LESSONS. The one place the tests learn it;
+# edition (scripts/course/student_edition.py) named by DP_LESSONS. The one place the tests learn it;
 # spawned ranks and torchrun's processes inherit the variable (with it set, spawn() starts
 # every rank as a new interpreter). Support modules (common, model, measure) come from this
 # checkout in spawned ranks, so the reference a lesson is held to is the grader's (a lesson run
@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The graded tests (tests/points.toml) read it; the tools' tests (lecture, notebooks, benchmark)
 # run scripts/, which always use this checkout's lessons.
 LESSONS_DIR = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT)
-# Graded files taken from this checkout even so (DP_REFERENCE=bucket): scripts/grade.py grades
+# Graded files taken from this checkout even so (DP_REFERENCE=bucket): scripts/course/grade.py grades
 # 05 again with the reference bucket.py when the edition's fails its own tests, so an unfinished
 # 03 costs 03's points only.
 REFERENCE = set(filter(None, os.environ.get("DP_REFERENCE", "").split(",")))

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import graded
 from harness import ROOT, spawn
-from runs_path import LESSONS  # noqa: F401  (puts scripts/ on the path)
 
-import student_edition as se  # noqa: E402  (scripts/)
+import scripts.course.student_edition as se
+from scripts.runs import LESSONS
 
 GRADED = LESSONS + ["bucket"]
 # The region a run of each lesson reaches first in the edition (05 builds on 03's bucket.py).
@@ -179,7 +179,7 @@ def test_a_failing_rank_ends_the_launch_quickly_with_its_message(ranks):
 
 
 def test_a_regraded_lesson_changes_only_its_own_row():
-    import grade  # scripts/grade.py
+    from scripts.course import grade
     results = {"tests/t.py::a": (False, "NotImplementedError: bucket.py"), "tests/t.py::b": (True, "")}
     lessons = {"03_buckets": {"points": 10, "tests": ["tests/t.py"], "uses": {}},
                "05_zero2": {"points": 20, "tests": ["tests/t.py::a"], "uses": {"bucket": "tests/t.py"}}}
@@ -200,7 +200,7 @@ def test_grade_table_for_the_edition_and_for_the_solutions(edition, tmp_path):
                       'tests = ["tests/test_bucket.py"]\n'
                       f'[lessons.05_zero2]\npoints = 20\ntests = ["{uses}"]\n'
                       'uses = {bucket = "tests/test_bucket.py"}\n')
-    grade = [sys.executable, os.path.join(ROOT, "scripts", "grade.py"), "--points", str(points)]
+    grade = [sys.executable, "-m", "scripts.course.grade", "--points", str(points)]
     env = dict(os.environ)
     env.pop("DP_LESSONS", None)
     procs = [subprocess.Popen(grade + [where], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -1,5 +1,5 @@
 """The model-state calculator (theory.model_state_bytes, theory.largest_model and the command
-line scripts/zero_calc.py) against the ZeRO paper's own tables, to their printed digits.
+line scripts/learn/zero_calc.py) against the ZeRO paper's own tables, to their printed digits.
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
 arXiv:1910.02054. Table 1: per-device memory of model states, K = 12, GB = 10^9 bytes.
@@ -13,8 +13,7 @@ import pytest
 
 import theory
 from harness import ROOT
-from runs_path import LESSONS  # noqa: F401  (puts scripts/ on the path)
-import zero_calc  # noqa: E402
+from scripts.learn import zero_calc
 
 # Table 1 as printed: {model: {DP degree: (P_os, P_os+g, P_os+g+p)}}; DP itself is 16 Psi bytes
 # in every row (120, 2048, 16000), the same as every stage at N = 1.
@@ -108,6 +107,6 @@ def test_command_line(capsys):
 
 
 def test_command_line_runs_as_a_script():
-    out = subprocess.run([sys.executable, "scripts/zero_calc.py", "--params", "7.5e9", "--world", "64"],
+    out = subprocess.run([sys.executable, "-m", "scripts.learn.zero_calc", "--params", "7.5e9", "--world", "64"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1].split() == ["64", "120", "31.4", "16.6", "1.88"]

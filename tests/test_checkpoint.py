@@ -351,7 +351,7 @@ def test_consolidated_state_dict_is_the_run_and_loads_into_gpt(root):
 
 def test_consolidate_command(root, tmp_path):
     world2(root)
-    spec = importlib.util.spec_from_file_location("consolidate", os.path.join(ROOT, "scripts", "consolidate.py"))
+    spec = importlib.util.spec_from_file_location("consolidate", os.path.join(ROOT, "scripts", "learn", "consolidate.py"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = str(tmp_path / "zero3.pt")

@@ -7,7 +7,7 @@ import pytest
 
 from graded import lesson_file
 from harness import ROOT
-from runs_path import LESSONS  # noqa: F401  (tests/runs_path.py puts scripts/ on the path)
+from scripts.runs import LESSONS
 
 # no GPU visible, so `--device cuda` fails the same way on a machine with GPUs
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")

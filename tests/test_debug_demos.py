@@ -1,4 +1,4 @@
-"""scripts/debug/: each demonstration shows its symptom when broken and not with --fixed.
+"""scripts/learn/debug/: each demonstration shows its symptom when broken and not with --fixed.
 
 All six runs (3 demos x broken/fixed, 2 ranks each) start at once, as torchrun subprocesses,
 so the test costs their start-ups on the machine's cores (18 processes importing torch: about
@@ -17,7 +17,7 @@ def test_debug_demos():
     for demo in DEMOS:
         for mode in ([], ["--fixed"]):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   os.path.join(ROOT, "scripts", "debug", f"{demo}.py"), *mode]
+                   os.path.join(ROOT, "scripts", "learn", "debug", f"{demo}.py"), *mode]
             procs[demo, bool(mode)] = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True,
                                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     outs = {key: p.communicate(timeout=120) for key, p in procs.items()}

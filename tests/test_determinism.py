@@ -5,7 +5,7 @@ that varies between processes (dict order keyed by id(), thread timing of async 
 allocation addresses) can leak into the numbers.
 """
 from harness import run_lesson, spawn
-from runs_path import LESSONS  # noqa: F401  (tests/runs_path.py puts scripts/ on the path)
+from scripts.runs import LESSONS
 
 ARGV = ["--steps", "4", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
         "--global-batch", "8", "--grad-accum", "2", "--bucket-mb", "0.01",

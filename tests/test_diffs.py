@@ -1,14 +1,10 @@
 """docs/diffs/ holds the diffs between consecutive lessons; they must match the lessons."""
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import diffs  # noqa: E402
+from scripts.learn import diffs
 
 
 def test_diffs_are_up_to_date():
     assert len(diffs.expected()) == len(diffs.available_lessons()) - 1
-    assert diffs.stale() == [], "lessons changed: run `make diffs` (python scripts/diffs.py)"
+    assert diffs.stale() == [], "lessons changed: run `make diffs` (python -m scripts.learn.diffs)"
     # 03's idea is half in bucket.py: its diff shows the new file whole
     assert "\n--- /dev/null\n+++ bucket.py\n" in diffs.expected()["02_to_03.diff"]
 

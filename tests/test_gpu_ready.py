@@ -1,7 +1,7 @@
 """The GPU path, as far as a CPU can check it: which device `--device auto` picks (with the GPU
 count faked), the torch API the lessons use on every supported version, measurement that says
 "unavailable" rather than a CPU-clock number on NCCL, the data path, checkpoints read to the CPU,
-bf16 gradient accumulation in fp32 (05, 06), and `scripts/gpu_check.py` end to end on gloo."""
+bf16 gradient accumulation in fp32 (05, 06), and `scripts/perf/gpu_check.py` end to end on gloo."""
 import json
 import os
 import re
@@ -255,7 +255,7 @@ def test_bf16_micro_step_gradients_accumulate_in_fp32(lesson):
 
 # ----------------------------------------------------------------------------- make gpu-check
 def test_gpu_check_without_a_gpu_says_so_and_exits_0():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py")], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "scripts.perf.gpu_check"], cwd=ROOT,
                           env=dict(ENV, CUDA_VISIBLE_DEVICES=""), text=True, capture_output=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().splitlines() == [
         "gpu-check: no CUDA GPU on this machine (torch sees none): nothing to check"], proc.stdout + proc.stderr
@@ -264,7 +264,7 @@ def test_gpu_check_without_a_gpu_says_so_and_exits_0():
 def test_gpu_check_runs_its_checks_on_cpu(tmp_path):
     # The script's whole path on gloo (2 ranks): every lesson in fp32 and bf16 against the CPU
     # reference, the allocator-off rerun, a save resumed at another world size, the table.
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "scripts.perf.gpu_check", "--device", "cpu",
                            "--quick", "--out", str(tmp_path)], cwd=ROOT, env=ENV, text=True,
                           capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_lecture_table():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "lecture.py"), "--steps", "3",
+    out = subprocess.run([sys.executable, "-m", "scripts.learn.lecture", "--steps", "3",
                           "--n-layer", "1", "--d-model", "32", "--seq-len", "16"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -11,8 +11,7 @@ import os
 import nbformat  # noqa: F401  (a clear ImportError here if the notebook tools are missing)
 
 from harness import ROOT
-from runs_path import LESSONS  # noqa: F401  (puts scripts/ on the path)
-from figures import execute  # noqa: E402
+from scripts.perf.figures import execute
 
 FIGURES = {"memory.ipynb": ["memory_per_rank", "zero3_params_timeline", "zero_calculator"],
            "comm_volume.ipynb": ["comm_per_step", "ring_reduce_scatter", "bandwidth"]}

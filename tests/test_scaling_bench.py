@@ -6,20 +6,19 @@ reports and checks what it makes of them: the table's columns, the JSON's fields
 No timing is asserted: step times on a shared 2-core machine mean nothing in a test.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from harness import ROOT
-from runs_path import available_lessons
+from scripts.runs import available_lessons
 
-import bench  # noqa: E402  (scripts/, put on the path by runs_path)
+from scripts.perf import bench
 
 
 def test_scaling_quick_writes_json_table_and_both_figures(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "scaling.py"), "--quick",
+    out = subprocess.run([sys.executable, "-m", "scripts.perf.scaling", "--quick",
                           "--out", str(tmp_path), "--figures", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -84,8 +83,8 @@ def test_the_local_limit_trains_each_rank_alone_with_no_collective():
     # The benchmark's "local" run: the same loop with no communication at all. Each rank then
     # trains its own rows only (its weights drift apart from the other rank's); it issues no
     # collective in the measured step.
-    from runs import launch
-    report = launch("scripts/torch_reference", 2, ["--impl", "local", "--steps", "3", "--n-layer", "1",
+    from scripts.runs import launch
+    report = launch("scripts.perf.torch_reference", 2, ["--impl", "local", "--steps", "3", "--n-layer", "1",
                                                    "--d-model", "32", "--n-head", "2", "--seq-len", "16"])
     assert report["comm"]["ops"] == {} and report["comm"]["theory_ring_bytes_per_step"] == 0
 
@@ -93,7 +92,7 @@ def test_the_local_limit_trains_each_rank_alone_with_no_collective():
 def test_bandwidth_contention_prints_one_row_per_size():
     # a smoke test of `bandwidth.py --contention` (README: "Overlap on 2 cores"): it runs and
     # reports each size's four times and the shares derived from them; no timing is asserted
-    from runs import launch
-    out = launch("scripts/bandwidth", 2, ["--contention", "--quick", "--sizes", "65536", "262144"], report=False)
+    from scripts.runs import launch
+    out = launch("scripts.perf.bandwidth", 2, ["--contention", "--quick", "--sizes", "65536", "262144"], report=False)
     rows = [line for line in out.splitlines() if line.startswith("all_reduce")]
     assert len(rows) == 2 and all("compute alone" in r and "hidden" in r and "compute slowed" in r for r in rows)

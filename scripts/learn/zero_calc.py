@@ -1,10 +1,10 @@
 """Model-state memory per device under DP and ZeRO-1/2/3, as in the ZeRO paper's Tables 1 and 2.
 
-    python scripts/zero_calc.py --params 7.5B --world 64              # every stage: 120, 31.4, 16.6, 1.88 GB
-    python scripts/zero_calc.py --params 1T --world 1 4 16 64 256 1024
-    python scripts/zero_calc.py --fit 32GB --world 64 --stage 3       # the largest model that fits: 128B
-    python scripts/zero_calc.py --fit 80GiB --world 8 --k 16          # every stage, 16 bytes of optimizer state
-    python scripts/zero_calc.py --table1                              # the paper's Table 1, recomputed
+    python -m scripts.learn.zero_calc --params 7.5B --world 64              # every stage: 120, 31.4, 16.6, 1.88 GB
+    python -m scripts.learn.zero_calc --params 1T --world 1 4 16 64 256 1024
+    python -m scripts.learn.zero_calc --fit 32GB --world 64 --stage 3       # the largest model that fits: 128B
+    python -m scripts.learn.zero_calc --fit 80GiB --world 8 --k 16          # every stage, 16 bytes of optimizer state
+    python -m scripts.learn.zero_calc --table1                              # the paper's Table 1, recomputed
 
 Model states only (Rajbhandari et al. 2020, section 3.1): 2 bytes of fp16/bf16 parameters, 2 of
 gradients and K of optimizer state per parameter (K = 12 for mixed-precision Adam: fp32 master
@@ -13,13 +13,10 @@ bytes, as in the paper; GiB = 2^30.
 """
 import argparse
 import math
-import os
 import re
-import sys
 from decimal import ROUND_HALF_UP, Decimal
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from theory import largest_model, model_state_bytes  # noqa: E402
+from theory import largest_model, model_state_bytes
 
 STAGES = {0: "DP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
 _COUNT = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}

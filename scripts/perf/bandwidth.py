@@ -1,8 +1,8 @@
 """Bandwidth of all-reduce, reduce-scatter and all-gather on this machine, by message size.
 
-    torchrun --nproc_per_node=2 scripts/bandwidth.py                 # 1 KiB ... 64 MiB, a table
-    torchrun --nproc_per_node=2 scripts/bandwidth.py --quick --report bw.json
-    torchrun --nproc_per_node=2 scripts/bandwidth.py --ring          # and lesson 00's ring beside gloo
+    torchrun --nproc_per_node=2 -m scripts.perf.bandwidth                 # 1 KiB ... 64 MiB, a table
+    torchrun --nproc_per_node=2 -m scripts.perf.bandwidth --quick --report bw.json
+    torchrun --nproc_per_node=2 -m scripts.perf.bandwidth --ring          # and lesson 00's ring beside gloo
 
 Conventions (those of nccl-tests, so numbers compare with what GPU papers quote):
 - size S = bytes of the full tensor: the all-reduce's tensor, the reduce-scatter's input, the
@@ -17,7 +17,7 @@ Also measured: wire bytes, what each rank's process actually wrote while the col
 (Linux /proc/self/io, see comm_meter.bytes_written). A ring needs the busbw factor x S; a backend
 that sends more than that shows it here, whatever its timing.
 
-    torchrun --nproc_per_node=2 scripts/bandwidth.py --contention     # can overlap pay here?
+    torchrun --nproc_per_node=2 -m scripts.perf.bandwidth --contention     # can overlap pay here?
 
 --contention asks whether a collective in flight steals the compute it is meant to hide behind
 (gloo moves the bytes on a thread of its own, which needs a core). Per size: a compute about as
@@ -28,21 +28,16 @@ none it takes up to their sum and the compute slows by what the communication th
 """
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import common  # noqa: E402
-import lifecycle  # noqa: E402
-from comm_meter import bytes_written  # noqa: E402
-from theory import RING_FACTOR  # noqa: E402
+import common
+import lifecycle
+from comm_meter import bytes_written
+from theory import RING_FACTOR
 
 KIB = 2 ** 10
 SIZES = [KIB * 4 ** i for i in range(9)]         # 1 KiB, 4 KiB, ..., 64 MiB
@@ -65,7 +60,7 @@ def collective(op, full, shard):
 
 def ring_collective(op, full, shard):
     """Lesson 00's ring, written with point-to-point sends, doing what collective() does."""
-    from runs import load_lesson  # (scripts/: imported once, then cached)
+    from scripts.runs import load_lesson  # imported once, then cached
     ring = load_lesson("00_collectives").Ring()
     if op == "all_reduce":
         return lambda: full.copy_(ring.all_reduce(full))

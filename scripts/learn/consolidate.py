@@ -1,7 +1,7 @@
 """Turn any lesson's checkpoint into one plain state_dict, loadable without torch.distributed.
 
-    python scripts/consolidate.py runs/ckpt model.pt               # its newest complete checkpoint
-    python scripts/consolidate.py runs/ckpt/step_000040 model.pt   # that one
+    python -m scripts.learn.consolidate runs/ckpt model.pt               # its newest complete checkpoint
+    python -m scripts.learn.consolidate runs/ckpt/step_000040 model.pt   # that one
 
 What DeepSpeed's zero_to_fp32.py does for ZeRO checkpoints: every rank's pieces put back together,
 the padding gone, in fp32 (a bf16 run's fp32 master weights, of which its bf16 weights are the
@@ -14,10 +14,9 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
+import torch
 
-import checkpoint  # noqa: E402
+import checkpoint
 
 
 def main(argv=None):

@@ -1,8 +1,8 @@
 """Grade a student edition: run the project's tests against its lessons, print points per lesson.
 
-    python scripts/grade.py student/                  # or: make grade EDITION=student
-    python scripts/grade.py                           # this checkout (inside an edition: itself)
-    python scripts/grade.py student/ --lessons 01 03  # some lessons only
+    python -m scripts.course.grade student/                  # or: make grade EDITION=student
+    python -m scripts.course.grade                           # this checkout (inside an edition: itself)
+    python -m scripts.course.grade student/ --lessons 01 03  # some lessons only
 
 The tests come from this checkout, the lessons (and bucket.py) from the edition: one pytest run
 with DP_LESSONS=EDITION (tests/graded.py reads it), its results read from pytest's JUnit XML.
@@ -21,7 +21,8 @@ import time
 import tomllib
 import xml.etree.ElementTree as ET
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scripts.runs import ROOT
+
 POINTS = os.path.join(ROOT, "tests", "points.toml")
 
 

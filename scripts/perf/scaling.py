@@ -1,12 +1,12 @@
 """Scaling: step time, bytes sent and bytes held per rank, against model size and world size.
 
-    make scaling                                          # or: .venv/bin/python scripts/scaling.py
-    .venv/bin/python scripts/scaling.py --sizes 1M 5M --worlds 1 2     # a subset
-    .venv/bin/python scripts/scaling.py --quick           # two tiny models, worlds 1 and 2, one launch,
+    make scaling                                          # or: .venv/bin/python -m scripts.perf.scaling
+    .venv/bin/python -m scripts.perf.scaling --sizes 1M 5M --worlds 1 2     # a subset
+    .venv/bin/python -m scripts.perf.scaling --quick           # two tiny models, worlds 1 and 2, one launch,
                                                           # into runs/scaling-quick/ (a smoke test)
-    .venv/bin/python scripts/scaling.py --replot          # tables and plots again from scaling.json
+    .venv/bin/python -m scripts.perf.scaling --replot          # tables and plots again from scaling.json
 
-For each world size, ONE torchrun launch of scripts/sweep.py runs every lesson at every model
+For each world size, ONE torchrun launch of scripts/perf/sweep.py runs every lesson at every model
 size, size by size with the lessons in reading order, so the lessons compared at one size run
 within a minute or two of each other (step times on a shared 2-core machine drift +-25 % over
 minutes). Every model trains on the same tokens per step (--global-batch 8 --seq-len 32), so a
@@ -34,14 +34,9 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from runs import available_lessons, launch, mib  # noqa: E402
+from scripts.runs import ROOT, available_lessons, launch, mib
 
 # n_layer, d_model, n_head: Psi from about 1M to about 50M (exact counts printed from the model:
 # a block holds 12 d^2 + 13 d parameters; the embeddings (64 + 32) d, the final norm 2 d)
@@ -61,12 +56,12 @@ def size_flags(size):
 
 def run_worlds(worlds, sizes, lessons, flags, track_peak):
     """One torchrun launch of max(worlds) ranks: every lesson at every size at each world size
-    (scripts/sweep.py re-forms the group for the smaller ones); {(world, lesson, size): (report, s)}."""
+    (scripts/perf/sweep.py re-forms the group for the smaller ones); {(world, lesson, size): (report, s)}."""
     runs = {f"{lesson} {' '.join(size_flags(dims))}": (lesson, label)
             for label, dims in sizes.items() for lesson in lessons}
     tracked = [name for name, (lesson, _) in runs.items() if lesson in track_peak]
     argv = [*flags, "--worlds", *worlds, "--lessons", *runs, "--track-peak", *tracked]
-    out = launch("scripts/sweep", max(worlds), argv)
+    out = launch("scripts.perf.sweep", max(worlds), argv)
     return {(world, *runs[name]): (report, out["worlds"][str(world)]["seconds"][name])
             for world in worlds for name, report in out["worlds"][str(world)]["reports"].items()}
 

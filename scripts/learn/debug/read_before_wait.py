@@ -1,7 +1,7 @@
 """Bug (c): a gradient read before its async all-reduce has finished.
 
-    torchrun --nproc_per_node=2 scripts/debug/read_before_wait.py           # the bug
-    torchrun --nproc_per_node=2 scripts/debug/read_before_wait.py --fixed   # the fix
+    torchrun --nproc_per_node=2 -m scripts.learn.debug.read_before_wait           # the bug
+    torchrun --nproc_per_node=2 -m scripts.learn.debug.read_before_wait --fixed   # the fix
 
 `work = dist.all_reduce(t, async_op=True)` returns at once; the collective runs in the
 background and writes its result into t in place, piece by piece. Until `work.wait()` returns, t

@@ -2,7 +2,7 @@
 
     make gpu-check                     # with the project's .venv
     PYTHON=python3 make gpu-check      # with the machine's own Python and torch (no .venv, no network)
-    python3 scripts/gpu_check.py --quick          # a small model, a few steps: a smoke test
+    python3 -m scripts.perf.gpu_check --quick          # a small model, a few steps: a smoke test
 
 Runs every lesson at world 1, and at world = the number of GPUs when there are two or more, in
 fp32 and bf16, on a GPT of 29.7M parameters, and prints per run: the final loss and its
@@ -24,7 +24,7 @@ import statistics
 import sys
 import tempfile
 
-from runs import LESSONS, launch, mib
+from scripts.runs import LESSONS, launch, mib
 
 # 29,747,200 parameters, 4,096 tokens a step: big enough to time on a GPU, small enough for the
 # single-process CPU reference of 10 steps (its time on a GPU machine's CPU is not yet measured)
@@ -68,7 +68,7 @@ def machine(device):
 
 def sweep(worlds, flags, env=None):
     """Every lesson at each world size, in one torchrun launch: {world: {lesson: report}}."""
-    out = launch("scripts/sweep", max(worlds), ["--worlds", *worlds, "--lessons", *LESSONS, *flags], env=env)
+    out = launch("scripts.perf.sweep", max(worlds), ["--worlds", *worlds, "--lessons", *LESSONS, *flags], env=env)
     return {int(w): r["reports"] for w, r in out["worlds"].items()}
 
 

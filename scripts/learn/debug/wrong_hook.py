@@ -1,7 +1,7 @@
 """Bug (a): the gradient hook listens to the wrong event, so gradients are never averaged.
 
-    torchrun --nproc_per_node=2 scripts/debug/wrong_hook.py           # the bug
-    torchrun --nproc_per_node=2 scripts/debug/wrong_hook.py --fixed   # the fix
+    torchrun --nproc_per_node=2 -m scripts.learn.debug.wrong_hook           # the bug
+    torchrun --nproc_per_node=2 -m scripts.learn.debug.wrong_hook --fixed   # the fix
 
 `p.register_hook(hook)` (a Tensor hook) fires when p's gradient has been COMPUTED, before it is
 accumulated into p.grad. A hook there that averages p.grad finds p.grad still None (zero_grad()

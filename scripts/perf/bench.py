@@ -1,7 +1,7 @@
 """Benchmark: each lesson against its PyTorch counterpart, interleaved in one run, 2 ranks.
 
-    make bench            # or: .venv/bin/python scripts/bench.py [--rounds 3] [--steps 20]
-    .venv/bin/python scripts/bench.py --quick --lessons 03_buckets    # a tiny model, 1 round
+    make bench            # or: .venv/bin/python -m scripts.perf.bench [--rounds 3] [--steps 20]
+    .venv/bin/python -m scripts.perf.bench --quick --lessons 03_buckets    # a tiny model, 1 round
 
 Step times on a shared 2-core machine drift by +-25 % over minutes, so every round runs every
 variant once, in the same order, and we report the median over rounds of each run's median
@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from runs import ROOT, available_lessons, launch, mib
+from scripts.runs import ROOT, available_lessons, launch, mib
 
 COUNTERPART = {"01_vanilla_dp": "ddp", "02_async_allreduce": "ddp", "03_buckets": "ddp",
                "04_zero1": "zero_redundancy", "05_zero2": "fsdp2_noreshard", "06_zero3": "fsdp2"}
@@ -68,7 +68,7 @@ def run_one(kind, name, nproc, steps, extra):
     # the measured step (the last) samples memory after every op: seconds; it is not timed
     args = ["--steps", steps, "--log-every", 10 ** 6, "--measure-step", steps - 1, "--peak-params", 0, *extra]
     if kind == "torch":
-        report = launch("scripts/torch_reference", nproc, ["--impl", name, *args])
+        report = launch("scripts.perf.torch_reference", nproc, ["--impl", name, *args])
     else:
         report = launch(name, nproc, args + (["--prefetch", "0"] if kind == "lesson-noprefetch" else []))
     times = report["step_time_s"][3:-1]  # drop warm-up (first-touch allocation, lazy optimizer

@@ -1,7 +1,7 @@
 """Bug (b): a parameter gets no gradient on one rank, its bucket never fills, and the ranks hang.
 
-    torchrun --nproc_per_node=2 scripts/debug/unused_param_hang.py           # the bug: 5 s timeout
-    torchrun --nproc_per_node=2 scripts/debug/unused_param_hang.py --fixed   # the fix
+    torchrun --nproc_per_node=2 -m scripts.learn.debug.unused_param_hang           # the bug: 5 s timeout
+    torchrun --nproc_per_node=2 -m scripts.learn.debug.unused_param_hang --fixed   # the fix
 
 A bucket's all-reduce starts when its last gradient arrives. Here an "expert" layer only runs on
 rows that are routed to it, and rank 1's rows never are (an MoE expert with no tokens, a branch

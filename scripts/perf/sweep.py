@@ -1,7 +1,7 @@
 """Every lesson, one after another, at several world sizes, in ONE launch.
 
-    torchrun --nproc_per_node=4 scripts/sweep.py --report sweep.json --worlds 4 2 1 --precision bf16 --steps 3
-    python scripts/sweep.py --report sweep.json --lessons 04_zero1 "06_zero3 --prefetch 0"   # world size 1
+    torchrun --nproc_per_node=4 -m scripts.perf.sweep --report sweep.json --worlds 4 2 1 --precision bf16 --steps 3
+    python -m scripts.perf.sweep --report sweep.json --lessons 04_zero1 "06_zero3 --prefetch 0"   # world size 1
 
 Every flag the sweep does not know goes to each lesson unchanged. Each lesson's main() builds its
 own model, strategy and optimizer and returns its Run; rank 0 collects the reports into one JSON
@@ -29,20 +29,15 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch.distributed as dist
 
-import torch.distributed as dist  # noqa: E402
-
-import common  # noqa: E402
-import lifecycle  # noqa: E402
-import measure  # noqa: E402
-from runs import available_lessons, load_lesson  # noqa: E402
+import common
+import lifecycle
+import measure
+from scripts.runs import available_lessons, load_lesson
 
 NO_PREFETCH = "06_zero3 --prefetch 0"
 

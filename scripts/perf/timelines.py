@@ -1,6 +1,6 @@
 """Overlap, made visible: one traced step of each lesson at 2 ranks, and one table.
 
-    make timelines            # or: .venv/bin/python scripts/timelines.py [--out docs/figures]
+    make timelines            # or: .venv/bin/python -m scripts.perf.timelines [--out docs/figures]
 
 Each run passes `--trace DIR` (measure.Run: a torch.profiler trace per rank that opens in
 https://ui.perfetto.dev, and DIR/timeline.png) and reads the overlap the run measured
@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 
-from runs import ROOT, launch
+from scripts.runs import ROOT, launch
 
 RUNS = [  # (label, lesson, extra flags, chart name or None)
     ("01 blocking all-reduce", "01_vanilla_dp", [], "01"),

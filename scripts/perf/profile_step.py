@@ -1,10 +1,10 @@
 """Profile a lesson's training steps: where the time goes, by Python function or by torch op.
 
-    .venv/bin/python scripts/profile_step.py 03_buckets                  # 2 ranks, the default model
-    .venv/bin/python scripts/profile_step.py 01_vanilla_dp --config many-small
-    .venv/bin/python scripts/profile_step.py 04_zero1 --tool torch       # torch.profiler's op table
-    .venv/bin/python scripts/profile_step.py torch:ddp                   # PyTorch's counterpart
-    .venv/bin/python scripts/profile_step.py 06_zero3 --nproc 1 --n-layer 8   # other flags: the lesson's
+    .venv/bin/python -m scripts.perf.profile_step 03_buckets                  # 2 ranks, the default model
+    .venv/bin/python -m scripts.perf.profile_step 01_vanilla_dp --config many-small
+    .venv/bin/python -m scripts.perf.profile_step 04_zero1 --tool torch       # torch.profiler's op table
+    .venv/bin/python -m scripts.perf.profile_step torch:ddp                   # PyTorch's counterpart
+    .venv/bin/python -m scripts.perf.profile_step 06_zero3 --nproc 1 --n-layer 8   # other flags: the lesson's
 
 Runs the lesson's own main() (under torchrun when --nproc > 1) and profiles a window of
 `--count` steps after 3 warm-up steps; `--count` more steps follow unprofiled (their median is
@@ -31,9 +31,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scripts.runs import ROOT
 
 WARMUP = 3
 OWN = ("0", "bucket.py", "checkpoint.py", "comm_meter.py", "common.py", "lifecycle.py", "measure.py",
@@ -43,7 +41,7 @@ OWN = ("0", "bucket.py", "checkpoint.py", "comm_meter.py", "common.py", "lifecyc
 def load(name):
     """A lesson (`03_buckets`) or a PyTorch counterpart (`torch:ddp`) as (module, extra argv)."""
     if name.startswith("torch:"):
-        path, extra = os.path.join(ROOT, "scripts", "torch_reference.py"), ["--impl", name.split(":", 1)[1]]
+        path, extra = os.path.join(ROOT, "scripts", "perf", "torch_reference.py"), ["--impl", name.split(":", 1)[1]]
     else:
         path, extra = os.path.join(ROOT, f"{name}.py"), []
     if not os.path.exists(path):
@@ -131,11 +129,11 @@ def main():
     p.add_argument("--count", type=int, default=5, help="steps profiled (and as many unprofiled)")
     p.add_argument("--top", type=int, default=25)
     a, lesson_argv = p.parse_known_args()
-    from bench import CONFIGS
+    from scripts.perf.bench import CONFIGS
     lesson_argv = ["--device", "cpu"] + CONFIGS[a.config] + lesson_argv  # the lesson's own flags last: they win
     if a.nproc > 1 and "RANK" not in os.environ:  # start the ranks, each running this file
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}",
-               os.path.abspath(__file__), *sys.argv[1:]]
+               "-m", "scripts.perf.profile_step", *sys.argv[1:]]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         sys.exit(subprocess.run(cmd, cwd=ROOT, env=env).returncode)
     import lifecycle

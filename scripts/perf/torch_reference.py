@@ -1,26 +1,23 @@
 """PyTorch's own counterparts of the lessons, on the same flags, data, loop and report, so the
 benchmark compares like with like.
 
-    torchrun --nproc_per_node=2 scripts/torch_reference.py --impl ddp
+    torchrun --nproc_per_node=2 -m scripts.perf.torch_reference --impl ddp
     --impl ddp | zero_redundancy (DDP + ZeroRedundancyOptimizer) | fsdp2_noreshard | fsdp2
            | local (no communication at all: each rank trains its own rows, the limit of data
              parallelism on this machine)
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import torch  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-
-import common  # noqa: E402
-import optimizers  # noqa: E402
-import lifecycle  # noqa: E402
-import measure  # noqa: E402
+import common
+import optimizers
+import lifecycle
+import measure
 
 IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2", "local")
 

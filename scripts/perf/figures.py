@@ -1,9 +1,9 @@
 """Regenerate the README's figures: execute both notebooks from fresh runs, headless.
 
-    make figures                                   # or: .venv/bin/python scripts/figures.py
-    .venv/bin/python scripts/figures.py --quick    # world sizes 1, 2, 4 and fewer message sizes
+    make figures                                   # or: .venv/bin/python -m scripts.perf.figures
+    .venv/bin/python -m scripts.perf.figures --quick    # world sizes 1, 2, 4 and fewer message sizes
 
-Each notebook runs the lessons itself (scripts/sweep.py, one torchrun launch per world size) and
+Each notebook runs the lessons itself (scripts/perf/sweep.py, one torchrun launch per world size) and
 writes its figures as PNG files into docs/figures/. The executed notebooks, outputs included, are
 written back into notebooks/ so they read with their figures on GitHub. The two notebooks share
 one fresh set of runs (a cache directory that lives for this command only).
@@ -17,7 +17,8 @@ import time
 import nbformat
 from nbclient import NotebookClient
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scripts.runs import ROOT
+
 NOTEBOOKS = ["memory.ipynb", "comm_volume.ipynb"]
 
 

@@ -1,10 +1,10 @@
 """The lecture run: every lesson, 01 -> 06, at 2 ranks on CPU, in one launch, then one table.
 
-    make lecture                                   # or: .venv/bin/python scripts/lecture.py
-    .venv/bin/python scripts/lecture.py --steps 20 --n-layer 2     # any lesson flag passes through
+    make lecture                                   # or: .venv/bin/python -m scripts.learn.lecture
+    .venv/bin/python -m scripts.learn.lecture --steps 20 --n-layer 2     # any lesson flag passes through
     make lecture FIGURES=1                         # then regenerate the README's figures (make figures)
 
-One torchrun launch runs all six lessons back to back (scripts/sweep.py: start-up is paid once,
+One torchrun launch runs all six lessons back to back (scripts/perf/sweep.py: start-up is paid once,
 about 6 s, instead of six times). The lessons' own output (per-step lines, summaries, torchrun's
 and the libraries' messages, every rank's) is captured; what is printed is one header line and
 one table. It is shown only if the run fails.
@@ -24,9 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runs import available_lessons  # noqa: E402
+from scripts.runs import ROOT, available_lessons
 
 CHECK, CROSS = "\u2713", "\u2717"
 
@@ -37,7 +35,7 @@ def run_sweep(nproc, steps, flags):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "sweep.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               os.path.join(ROOT, "scripts", "sweep.py"), "--report", path, "--lessons", *lessons,
+               "-m", "scripts.perf.sweep", "--report", path, "--lessons", *lessons,
                "--device", "cpu", "--track-peak",  # no per-operation sampling: the table shows memory at rest
                "--steps", str(steps), "--log-every", str(max(steps, 1)), *flags]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -78,13 +76,13 @@ def main():
     p.add_argument("--nproc", type=int, default=2, help="ranks (CPU, gloo)")
     p.add_argument("--steps", type=int, default=80, help="K, optimizer steps per lesson")
     p.add_argument("--figures", action="store_true",
-                   help="afterwards, regenerate the README's figures (scripts/figures.py, about 1.5 minutes)")
+                   help="afterwards, regenerate the README's figures (scripts/perf/figures.py, about 1.5 minutes)")
     a, flags = p.parse_known_args()  # the rest goes to every lesson (e.g. --n-layer 2)
     reports = run_sweep(a.nproc, a.steps, flags)
     print(table(reports, a.steps, a.nproc), flush=True)
     if a.figures:
         # the full set, as `make figures` draws them: the README's text describes those (1-8 ranks)
-        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "figures.py")], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "scripts.perf.figures"], cwd=ROOT, check=True)
 
 
 if __name__ == "__main__":

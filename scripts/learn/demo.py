@@ -1,12 +1,12 @@
 """The main demonstration: every lesson at 2 ranks on CPU, then one table.
 
-    make demo                       # or: .venv/bin/python scripts/demo.py --nproc 2
-    .venv/bin/python scripts/demo.py --precision bf16 --steps 20
+    make demo                       # or: .venv/bin/python -m scripts.learn.demo --nproc 2
+    .venv/bin/python -m scripts.learn.demo --precision bf16 --steps 20
 """
 import argparse
 import statistics
 
-from runs import available_lessons, launch, mib
+from scripts.runs import available_lessons, launch, mib
 
 
 def main():

@@ -1,0 +1,1 @@
+"""The tools around the lessons, grouped by who uses them: learn/ (students), course/ (instructors), perf/ (benchmarks and figures); runs.py launches lessons for all of them. Run each from the repository root as a module, e.g. python -m scripts.learn.zero_calc."""
