@@ -138,7 +138,8 @@ def main(argv=None):
                   f"{'equal' if all(g[kind]['equal_to_torch'] for g in gathered) else 'DIFFERENT'} on every rank")
         if args.report:
             with open(args.report, "w") as f:
-                json.dump({"lesson": "00_collectives", "world_size": n, "n_params": psi, "numel": numel,
+                json.dump({"strategy": "collectives", "world_size": n, "backend": env.backend,
+                           "device": str(env.device), "n_params": psi, "numel": numel, "config": vars(args),
                            "comm": {"per_rank": gathered}}, f, indent=1)
     return gathered
 

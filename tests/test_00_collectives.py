@@ -1,5 +1,7 @@
 """Lesson 00: the ring collectives built from sends, against torch.distributed's own, and the
 bytes each rank sends against Psi (N-1)/N, at 1, 2, 3 and 4 ranks."""
+import json
+
 import pytest
 
 import harness
@@ -44,3 +46,12 @@ def test_each_rank_sends_psi_n_minus_1_over_n_per_pass(world):
         # writes, twice the ring's (N-1)/N; its all-gather writes what ours does
         assert ar["torch_wire_bytes"] * 0.99 <= rs["torch_wire_bytes"] <= ar["torch_wire_bytes"] * 1.01
         assert ag["sent_bytes"] <= ag["torch_wire_bytes"] <= 1.01 * ag["sent_bytes"] + 4096
+
+
+def test_report_has_the_lessons_fields_and_every_ranks_counts(tmp_path):
+    path = tmp_path / "report.json"
+    gathered = spawn(2, run, ARGV + ["--report", str(path)])[0]
+    report = json.loads(path.read_text())
+    assert (report["strategy"], report["world_size"], report["backend"]) == ("collectives", 2, "gloo")
+    assert report["config"]["n_layer"] == 1 and report["n_params"] <= report["numel"]
+    assert report["comm"]["per_rank"] == gathered
