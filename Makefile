@@ -1,7 +1,7 @@
 # The two commands of the quick start. Each sets up .venv (pinned, torch first) when missing.
 # PYTHON=python3 make <target>: use that interpreter and its torch as they are, build no .venv
 # (a GPU machine with torch preinstalled and no network).
-.PHONY: demo test bench scaling figures setup lecture diffs timelines gpu-check
+.PHONY: demo test bench scaling figures setup lecture diffs timelines gpu-check at-scale
 export OMP_NUM_THREADS ?= 1
 export PYTHONWARNINGS ?= ignore::FutureWarning
 PY := $(if $(PYTHON),$(PYTHON),.venv/bin/python)
@@ -26,6 +26,9 @@ figures: setup   ## regenerate the README's figures from fresh runs
 
 lecture: setup   ## the lecture run: 01 -> 06 at 2 ranks in one launch, one table (about 2 minutes); FIGURES=1 also redraws the README's figures
 	$(PY) -m scripts.learn.lecture $(if $(filter 1 yes true,$(FIGURES)),--figures)
+
+at-scale: setup  ## the at-scale cost model: published checks, then calibrate on this machine (~1 minute): runs/at_scale/calibration.json
+	$(PY) -m scripts.learn.at_scale --check-published && $(PY) -m scripts.learn.at_scale --calibrate
 
 diffs: setup     ## regenerate docs/diffs/ (the diff between consecutive lessons)
 	$(PY) -m scripts.learn.diffs

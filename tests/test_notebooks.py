@@ -14,7 +14,8 @@ from harness import ROOT
 from scripts.perf.figures import execute
 
 FIGURES = {"memory.ipynb": ["memory_per_rank", "zero3_params_timeline", "zero_calculator"],
-           "comm_volume.ipynb": ["comm_per_step", "ring_reduce_scatter", "bandwidth"]}
+           "comm_volume.ipynb": ["comm_per_step", "ring_reduce_scatter", "bandwidth"],
+           "at_scale.ipynb": ["at_scale_memory", "at_scale", "at_scale_crossover", "at_scale_largest"]}
 
 
 def test_notebooks_run_headless_and_draw_their_figures(tmp_path):

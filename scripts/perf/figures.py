@@ -19,7 +19,7 @@ from nbclient import NotebookClient
 
 from scripts.runs import ROOT
 
-NOTEBOOKS = ["memory.ipynb", "comm_volume.ipynb"]
+NOTEBOOKS = ["memory.ipynb", "comm_volume.ipynb", "at_scale.ipynb"]
 
 
 def execute(path, env, write_back=True, timeout=1200):

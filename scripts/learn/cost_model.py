@@ -1,0 +1,331 @@
+"""What each data-parallel stage costs at scale, on paper: compute, communication, overlap, memory.
+
+One training step of a dense transformer on N GPUs, for DP, ZeRO-1, ZeRO-2 and ZeRO-3 (with and
+without prefetch), scheduled as the lessons schedule it. Pure arithmetic; scripts/learn/at_scale.py
+is the command line, calibrates it on this machine and checks it against published numbers.
+
+    compute     FLOPs per token = 6 (Psi - lookup-only params) + 12 L d s, at efficiency x peak
+    collective  alpha-beta ring, bus-bandwidth convention, two levels (NVLink inside a node, NIC across)
+    overlap     a serial communication queue beside the compute, units / buckets as in 03, 05, 06
+    memory      theory.py's model states + Korthikanti et al. 2022's activations + working buffers
+"""
+from dataclasses import dataclass
+
+from theory import RING_FACTOR, theory_memory
+
+# ----------------------------------------------------------------------------- inputs
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    params: float        # Psi, unique parameters
+    layers: int          # L transformer blocks
+    hidden: int          # d (h in Korthikanti et al.)
+    heads: int           # a
+    vocab: int           # V
+    lookup: float = 0    # parameters only looked up, never multiplied (an untied token embedding): no FLOPs
+    root: float = 0      # parameters outside the blocks (embeddings, head, final norm): ZeRO-3's root unit
+
+
+def llama(name, params, layers, hidden, heads, vocab=128_256):
+    """Untied embedding and head (2 V d outside the blocks), the embedding only looked up."""
+    return Model(name, params, layers, hidden, heads, vocab, lookup=vocab * hidden, root=2 * vocab * hidden + hidden)
+
+
+def gpt(name, params, layers, hidden, heads, vocab, seq):
+    """The lessons' GPT (model.py): tied embedding/head, learned positions (looked up only)."""
+    return Model(name, params, layers, hidden, heads, vocab, lookup=seq * hidden,
+                 root=(vocab + seq) * hidden + 2 * hidden)
+
+
+# Llama 3.1 (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3; parameter counts from the
+# released config.json: 8,030,261,248 / 70,553,706,496 / 405,853,388,800).
+MODELS = {
+    "llama3-8b": llama("Llama 3.1 8B", 8.030e9, 32, 4096, 32),
+    "llama3-70b": llama("Llama 3.1 70B", 70.55e9, 80, 8192, 64),
+    "llama3-405b": llama("Llama 3.1 405B", 405.85e9, 126, 16384, 128),
+    # The ZeRO paper's running example (Table 1: Psi = 7.5B). The table needs Psi only; the shape
+    # here (GPT-2 vocabulary, 12 L d^2 ~ 7.25B in the blocks) is ours, for the time estimates.
+    "zero-7.5b": gpt("ZeRO paper 7.5B", 7.5e9, 64, 3072, 24, 50_257, 1024),
+}
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    flops: float         # peak dense BF16 tensor FLOP/s (no sparsity)
+    memory: float        # bytes
+    mem_bw: float        # bytes/s, what the optimizer step streams at
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the network, as NCCL sees it: achieved bus bandwidth per collective (bytes/s,
+    per GPU) and the latency of one ring step (s)."""
+    busbw: dict
+    latency: dict
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GPU
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    efficiency: float = 0.40  # achieved / peak FLOP/s of the model's compute (see EFFICIENCY)
+    overlap: float = 1.0      # share of a collective that hides behind compute beside it (GPUs: 1)
+
+
+# Datasheets (dense BF16, no sparsity; memory; memory bandwidth): NVIDIA H100 Tensor Core GPU
+# datasheet (SXM5: 989 TFLOPS, 80 GB HBM3, 3.35 TB/s); NVIDIA H200 datasheet (989 TFLOPS, 141 GB
+# HBM3e, 4.8 TB/s); NVIDIA A100 datasheet (SXM 80GB: 312 TFLOPS, 2,039 GB/s).
+GPUS = {"h100": GPU("H100 SXM5 80GB", 989e12, 80e9, 3.35e12),
+        "h200": GPU("H200 SXM 141GB", 989e12, 141e9, 4.8e12),
+        "a100": GPU("A100 SXM 80GB", 312e12, 80e9, 2.039e12)}
+# Line rates per GPU, one direction: NVLink 4 (H100/H200) 900 GB/s bidirectional -> 450; NVLink 3
+# (A100) 600 -> 300; InfiniBand NDR 400 Gb/s and HDR 200 Gb/s, one NIC per GPU (DGX H100 / A100:
+# 8 per node) -> 50 and 25 GB/s.
+LINE_RATE = {"nvlink4": 450e9, "nvlink3": 300e9, "ndr400": 50e9, "hdr200": 25e9}
+# NCCL's bus bandwidth is ~80% of line rate: "450GB/s is the line rate. With the protocol overhead
+# (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" (S. Jeaugey, NCCL maintainer,
+# NVIDIA/nccl-tests issue #212). NVLink SHARP all-reduce is faster (~480 GB/s); not modelled.
+BUS_EFFICIENCY = 0.8
+# Latency of one ring step, Simple protocol: NCCL's own tuning model (src/graph/tuning.cc, hwLat,
+# Ring/Simple): 3.4 us over NVLink, 14 us over the network.
+RING_STEP_LATENCY = {"nvlink4": 3.4e-6, "nvlink3": 3.4e-6, "ndr400": 14e-6, "hdr200": 14e-6}
+# One fixed share of peak FLOP/s for every prediction, not fitted per row: Llama 3 reports 38-43%
+# BF16 MFU on 8K-16K H100s (Dubey et al. 2024, Table 4), pipeline bubbles and tensor-parallel
+# communication included; 0.40 is the round number in that range.
+EFFICIENCY = 0.40
+
+
+def nccl_link(kind):
+    return Link({op: BUS_EFFICIENCY * LINE_RATE[kind] for op in OPS}, {op: RING_STEP_LATENCY[kind] for op in OPS})
+
+
+CLUSTERS = {"h100": Cluster(GPUS["h100"], 8, nccl_link("nvlink4"), nccl_link("ndr400"), EFFICIENCY),
+            "h200": Cluster(GPUS["h200"], 8, nccl_link("nvlink4"), nccl_link("ndr400"), EFFICIENCY),
+            "a100": Cluster(GPUS["a100"], 8, nccl_link("nvlink3"), nccl_link("hdr200"), EFFICIENCY)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: Model
+    batch: int                 # local batch: sequences per GPU per step
+    seq: int
+    ckpt: str = "none"         # activation checkpointing: none, selective, full
+    precision: str = "bf16"    # bf16: ZeRO's mixed precision (2 + 2 + 12 bytes); fp32: the lessons' default
+    reduce_bytes: int = 0      # bytes per gradient element on the wire; 0: as the parameters (2 or 4)
+    bucket_mb: float = 25.0    # the lessons' and DDP's bucket cap (MiB)
+    tensors: int = 0           # lesson 01 all-reduces each gradient tensor: how many there are
+
+
+# How each stage communicates. zero: which states are sharded (theory.py's stage); reduce: the
+# gradient collective; overlap: launched bucket by bucket during backward (03, 05, 06) or after
+# backward (01, 04); gather: "step" = all-gather the updated parameters after the optimizer step
+# (ZeRO-1/2), "units" = all-gather each unit before its forward and again before its backward (06).
+@dataclass(frozen=True)
+class Stage:
+    zero: int
+    reduce: str
+    overlap: bool = True
+    gather: str = ""
+    prefetch: bool = False
+    per_tensor: bool = False   # one collective per gradient tensor (01), else per bucket / unit
+
+
+STAGES = {"dp": Stage(0, "all_reduce"),
+          "zero1": Stage(1, "reduce_scatter", gather="step"),   # DeepSpeed stage 1, overlap_comm
+          "zero2": Stage(2, "reduce_scatter", gather="step"),
+          "zero3": Stage(3, "reduce_scatter", gather="units", prefetch=True),
+          "zero3-noprefetch": Stage(3, "reduce_scatter", gather="units", prefetch=False)}
+# the lessons themselves, for the calibration on this machine
+LESSONS = {"01_vanilla_dp": Stage(0, "all_reduce", overlap=False, per_tensor=True),
+           "03_buckets": STAGES["dp"],
+           "04_zero1": Stage(1, "reduce_scatter", overlap=False, gather="step"),
+           "05_zero2": STAGES["zero2"], "06_zero3": STAGES["zero3"],
+           "06_zero3 --prefetch 0": STAGES["zero3-noprefetch"]}
+STRATEGY = {0: "vanilla_dp", 1: "zero1", 2: "zero2", 3: "zero3"}  # theory.theory_memory's names
+
+
+# ----------------------------------------------------------------------------- compute
+def flops_per_token(m, seq):
+    """Training FLOPs per token, forward + backward, no recomputation (PaLM, Chowdhery et al. 2022,
+    appendix B; torchtitan's MFU): a multiplied weight costs 2 FLOPs per token forward and 4
+    backward -> 6 (Psi - lookup). Attention scores: Q K^T and softmax(.) V each take 2 s d FLOPs per
+    token per layer forward, 4 s d; backward twice that -> 12 L d s (causal masking not halved)."""
+    return 6 * (m.params - m.lookup) + 12 * m.layers * m.hidden * seq
+
+
+def recompute_flops_per_token(m, seq, ckpt):
+    """Selective (Korthikanti et al. 2022): the attention core's forward again, 4 L d s. Full:
+    the whole forward again, 2 (Psi - lookup) + 4 L d s."""
+    core = 4 * m.layers * m.hidden * seq
+    return {"none": 0, "selective": core, "full": 2 * (m.params - m.lookup) + core}[ckpt]
+
+
+# ----------------------------------------------------------------------------- communication
+def ring_time(op, size, n, link):
+    """One ring over n ranks of a tensor of `size` bytes: n - 1 steps (2 (n - 1) for all-reduce),
+    each costing the link's latency, plus RING_FACTOR x size bytes at the bus bandwidth."""
+    if n <= 1 or size <= 0:
+        return 0.0
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    return steps * link.latency[op] + RING_FACTOR[op](n) * size / link.busbw[op]
+
+
+def collective_time(op, size, world, cluster):
+    """Two levels, for world = g GPUs per node x m nodes: the op inside each node over the full
+    tensor at NVLink speed, then across the m nodes on 1/g of it, the g rails in parallel at NIC
+    speed (reduce-scatter: intra then inter; all-gather: inter then intra; all-reduce: both):
+        t = ring(op, S, g, intra) + ring(op, S / g, m, inter)
+    NCCL picks rings, trees or NVLS by size and scale; the bytes at the bottleneck are these."""
+    g = min(world, cluster.gpus_per_node)
+    return ring_time(op, size, g, cluster.intra) + ring_time(op, size / g, world // g, cluster.inter)
+
+
+# ----------------------------------------------------------------------------- memory
+def activation_bytes(w):
+    """Per GPU. Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models", section 4: per layer 34 s b h + 5 a s^2 b bytes (16-bit, no recomputation); selective
+    recomputation drops the 5 a s^2 b of attention scores (so does FlashAttention); full keeps each
+    layer's input (2 s b h) plus one layer's activations while it is recomputed. Plus fp32 logits
+    for the loss, 4 s b V. (GPT blocks; Llama's SwiGLU MLP holds ~15% more.) fp32: twice."""
+    m, s, b, h, a = w.model, w.seq, w.batch, w.model.hidden, w.model.heads
+    full_layer = 34 * s * b * h + 5 * a * s * s * b
+    per_model = {"none": m.layers * full_layer, "selective": m.layers * 34 * s * b * h,
+                 "full": m.layers * 2 * s * b * h + full_layer}[w.ckpt]
+    return per_model * (2 if w.precision == "fp32" else 1) + 4 * s * b * m.vocab
+
+
+def _elem(w):
+    return 4 if w.precision == "fp32" else 2
+
+
+def _units(m):
+    """ZeRO-3's units (06, FSDP2): the root (embeddings, head) and one per block."""
+    return [m.root] + [(m.params - m.root) / m.layers] * m.layers
+
+
+def memory(w, stage, world):
+    """Bytes per GPU: model states (theory.py), activations, working buffers (two buckets in
+    flight; ZeRO-3: the units gathered at once, current + prefetched, and one unit's gradient)."""
+    psi, elem, grad = w.model.params, _elem(w), w.reduce_bytes or _elem(w)
+    states = theory_memory(STRATEGY[stage.zero], psi, world, w.precision)["total"]
+    if stage.gather == "units":
+        biggest = max(_units(w.model))
+        buffers = (2 if stage.prefetch else 1) * biggest * elem + biggest * grad
+    else:
+        buffers = min(2 * w.bucket_mb * 2 ** 20, psi * grad)
+    out = {"states": states, "activations": activation_bytes(w), "buffers": buffers}
+    out["total"] = sum(out.values())
+    return out
+
+
+# ----------------------------------------------------------------------------- one step
+class Queue:
+    """One communication stream: collectives run one after another, each from its issue time."""
+
+    def __init__(self):
+        self.free = 0.0
+
+    def run(self, issue, duration):
+        self.free = max(self.free, issue) + duration
+        return self.free
+
+
+ADAM_BYTES = {"bf16": 30, "fp32": 28}  # AdamW per parameter it updates: reads weight, grad, 2
+# moments (16), writes weight and 2 moments (12), and in bf16 the bf16 working copy (2)
+
+
+def step(w, stage, world, cluster):
+    """Predict one optimizer step on `world` GPUs: compute, each collective, what hides, memory."""
+    m, elem = w.model, _elem(w)
+    grad = w.reduce_bytes or elem
+    tokens = w.batch * w.seq
+    rate = cluster.gpu.flops * cluster.efficiency
+    model_flops = flops_per_token(m, w.seq) * tokens
+    fwd = model_flops / 3 / rate
+    bwd = (2 * model_flops / 3 + recompute_flops_per_token(m, w.seq, w.ckpt) * tokens) / rate
+    params = _units(m)  # in forward order; a unit's compute is its share of the FLOPs
+    head = 6 * (m.root - m.lookup) / flops_per_token(m, w.seq)  # the root's compute: the head's matmul
+    share = [head] + [(1 - head) / m.layers] * m.layers
+    comm = {op: {"calls": 0, "bytes": 0.0, "s": 0.0} for op in OPS}
+
+    times = {}  # (op, size) -> s: a big model's DP step has thousands of equal buckets
+
+    def collective(op, size):
+        if (op, size) not in times:
+            times[op, size] = collective_time(op, size, world, cluster) if world > 1 else 0.0
+        t = times[op, size]
+        c = comm[op]
+        c["calls"], c["bytes"], c["s"] = c["calls"] + 1, c["bytes"] + size, c["s"] + t
+        return t
+
+    queue = Queue()
+    now = 0.0
+    # forward: ZeRO-3 gathers each unit first (issued one unit early with prefetch)
+    if stage.gather == "units":
+        ready = [None] * len(params)
+        ready[0] = queue.run(0.0, collective("all_gather", params[0] * elem))
+        for i in range(len(params)):
+            if ready[i] is None:
+                ready[i] = queue.run(now, collective("all_gather", params[i] * elem))
+            now = max(now, ready[i])
+            if stage.prefetch and i + 1 < len(params):
+                ready[i + 1] = queue.run(now, collective("all_gather", params[i + 1] * elem))
+            now += fwd * share[i]
+    else:
+        now += fwd
+    # backward: ZeRO-3 gathers every unit again, as 06 does (the root first: the head's backward),
+    # then the blocks last to first, and reduce-scatters each unit's gradient after its backward
+    # (the root's last: the embedding's gradient is complete at the very end); 01-05 reduce
+    # buckets as backward fills them (03, 05), or everything once backward is over (01, 04)
+    backward_start = now
+    if stage.gather == "units":
+        order = [0] + list(range(m.layers, 0, -1))
+        ready = {}
+        for k, i in enumerate(order):
+            if i not in ready:  # no prefetch (or the root, first): gathered when needed
+                ready[i] = queue.run(now, collective("all_gather", params[i] * elem))
+            now = max(now, ready[i])
+            if stage.prefetch and k + 1 < len(order):
+                ready[order[k + 1]] = queue.run(now, collective("all_gather", params[order[k + 1]] * elem))
+            now += bwd * share[i]
+            if i:
+                queue.run(now, collective(stage.reduce, params[i] * grad))
+        queue.run(now, collective(stage.reduce, params[0] * grad))
+    else:
+        now += bwd
+        if stage.per_tensor:
+            sizes = [m.params * grad / w.tensors] * w.tensors
+        elif stage.overlap:
+            cap = w.bucket_mb * 2 ** 20
+            sizes = [cap] * int(m.params * grad // cap) + [m.params * grad % cap]
+        else:
+            sizes = [m.params * grad]
+        done = 0.0
+        for size in [s for s in sizes if s > 0]:
+            done += size  # a bucket is full when backward has produced its bytes (uniformly)
+            issue = backward_start + bwd * done / (m.params * grad) if stage.overlap else now
+            queue.run(issue, collective(stage.reduce, size))
+    compute_end = now
+    end = max(now, queue.free)
+    # the optimizer on what this GPU updates, then ZeRO-1/2 gather the updated parameters
+    opt = ADAM_BYTES[w.precision] * (m.params / world if stage.zero else m.params) / cluster.gpu.mem_bw
+    after_step = collective("all_gather", m.params * elem) if stage.gather == "step" else 0.0
+    comm_s = sum(c["s"] for c in comm.values())
+    # the queue assumes a collective runs at full speed beside compute; where it does not
+    # (cluster.overlap < 1: a CPU with no core to spare), only that share of the hiding happens
+    exposed_sim = (end - compute_end) + after_step + max(0.0, compute_end - fwd - bwd)
+    exposed = cluster.overlap * exposed_sim + (1 - cluster.overlap) * comm_s
+    compute = fwd + bwd
+    step_s = compute + opt + exposed
+    return {"stage": stage, "world": world, "compute_s": compute, "forward_s": fwd, "backward_s": bwd,
+            "optimizer_s": opt, "comm": comm, "comm_s": comm_s, "exposed_s": exposed,
+            "hidden_s": max(0.0, comm_s - exposed), "step_s": step_s,
+            "tokens_per_s": tokens / step_s,  # per GPU
+            "mfu": model_flops / step_s / cluster.gpu.flops,
+            "memory": memory(w, stage, world)}
