@@ -16,21 +16,24 @@ of gradient accumulation (DDP's `require_backward_grad_sync` is the flag behind 
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 01_vanilla_dp.py    # 2 nodes, run on each
 """
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
 import common
+import ddp
 import lifecycle
 import measure
 import optimizers
 
 
 # ----------------------------------------------------------------------------- the strategy
-class VanillaDP(common.Replicated):
+class VanillaDP(ddp.Replicated):
     """Replicate `module`; at the end of every backward, `all_reduce_gradients()` averages every
-    gradient. Shaped like `DistributedDataParallel(module)` (common.Replicated: `.module`,
+    gradient. Shaped like `DistributedDataParallel(module)` (ddp.Replicated: `.module`,
     `no_sync()`, `require_backward_grad_sync`)."""
 
     def __init__(self, module: nn.Module):
@@ -72,7 +75,8 @@ def main(argv=None):
     optimizer = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                            **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "vanilla_dp", model.module, optimizer, holders=[model])
-    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module, optimizer.checkpoint_shards)  # --checkpoint-dir
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
+                                   functools.partial(optimizers.checkpoint_shards, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

@@ -12,22 +12,25 @@ wait for every one of them. Same bytes as 01, same result; only the timing chang
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 02_async_allreduce.py    # 2 nodes, run on each
 """
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
 import common
+import ddp
 import lifecycle
 import measure
 import optimizers
 
 
 # ----------------------------------------------------------------------------- the strategy
-class AsyncAllReduceDP(common.Replicated):
+class AsyncAllReduceDP(ddp.Replicated):
     """Replicate `module`; every gradient's all-reduce is launched from its hook during backward,
     and `finish_gradient_synchronization()` waits for them all when backward is over. Shaped
-    like `DistributedDataParallel(module)` (common.Replicated: `.module`, `no_sync()`, ...)."""
+    like `DistributedDataParallel(module)` (ddp.Replicated: `.module`, `no_sync()`, ...)."""
 
     def __init__(self, module: nn.Module):
         super().__init__(module)
@@ -79,7 +82,8 @@ def main(argv=None):
     optimizer = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                            **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "async_allreduce", model.module, optimizer, holders=[model])
-    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module, optimizer.checkpoint_shards)  # --checkpoint-dir
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
+                                   functools.partial(optimizers.checkpoint_shards, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

@@ -17,11 +17,14 @@ start only when backward is over, with nothing left to overlap it with.
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 03_buckets.py    # 2 nodes, run on each
 """
+import functools
+
 import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
 import common
+import ddp
 import lifecycle
 import measure
 import optimizers
@@ -29,10 +32,10 @@ from bucket import BucketManager
 
 
 # ----------------------------------------------------------------------------- the strategy
-class BucketedDP(common.Replicated):
+class BucketedDP(ddp.Replicated):
     """Replicate `module`; gradients live in flat buckets, each all-reduced (async) as soon as it
     is full; `finish_gradient_synchronization()` waits for them all when backward is over.
-    Shaped like `DistributedDataParallel(module, bucket_cap_mb=...)` (common.Replicated)."""
+    Shaped like `DistributedDataParallel(module, bucket_cap_mb=...)` (ddp.Replicated)."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1):
         super().__init__(module)
@@ -81,7 +84,8 @@ def main(argv=None):
     optimizer = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                            **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "buckets", model.module, optimizer, holders=[model])
-    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module, optimizer.checkpoint_shards)  # --checkpoint-dir
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
+                                   functools.partial(optimizers.checkpoint_shards, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 import checkpoint
 import common
+import ddp
 import lifecycle
 import measure
 import optimizers
@@ -120,7 +121,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     def _grad_ready(self, p):
         if self.used:
             self.used.mark(p)
-        common.at_end_of_backward(self, self.finish_reduce_scatter)  # wait for all at its end
+        ddp.at_end_of_backward(self, self.finish_reduce_scatter)  # wait for all at its end
         self.grad_buckets.ready(p)
 
     @torch.no_grad()

@@ -159,8 +159,6 @@ class ZeRO3(nn.Module):
     more than one full unit besides its shards; a materialised one takes rank 0's values.
     """
 
-    fill_nan_before_gather = False  # tests: a byte an all-gather fails to write then shows as NaN
-
     def __init__(self, module, units=(), mp_policy=None, param_init_fn=None, prefetch=True, device=None,
                  find_unused_parameters=False):
         super().__init__()
@@ -216,14 +214,11 @@ class ZeRO3(nn.Module):
         flat_param = unit.flat_param
         # ### BEGIN SOLUTION: gather a unit
         # TODO: if flat_param's storage is freed (size 0), give it numel x element_size bytes
-        #       again, fill it with NaN when self.fill_nan_before_gather (the tests' poison), and
-        #       start an async dist.all_gather_into_tensor of unit.shard, cast to flat_param's
-        #       dtype, into it, kept in unit.gather_work. Then, if `wait`, wait for
-        #       unit.gather_work and set it to None.
+        #       again and start an async dist.all_gather_into_tensor of unit.shard, cast to
+        #       flat_param's dtype, into it, kept in unit.gather_work. Then, if `wait`, wait
+        #       for unit.gather_work and set it to None.
         if flat_param.untyped_storage().size() == 0:
             flat_param.untyped_storage().resize_(flat_param.numel() * flat_param.element_size())
-            if self.fill_nan_before_gather:
-                flat_param.fill_(float("nan"))
             my_shard = unit.shard.to(flat_param.dtype)  # param_dtype (fp32: the shard itself)
             unit.gather_work = dist.all_gather_into_tensor(flat_param, my_shard, async_op=True)
         if wait and unit.gather_work is not None:
@@ -389,13 +384,10 @@ def build_model(args, env):
 def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
-    with measure.PeakAlive() as init_memory:  # observed from outside: bytes held while building
-        model = build_model(args, env)
+    model = build_model(args, env)
     # any optimizer, over my shards, as over FSDP2's (weight decay: the matrices' shards only)
     optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "zero3", model.module, optimizer, holders=[model])
-    run.init_peak = init_memory.peak
-    run.full_parameters = model.full_parameters  # the parameters are sharded: gather to compare
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
                                    functools.partial(checkpoint_shards, model, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at

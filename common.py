@@ -1,14 +1,8 @@
-"""Everything a lesson needs that is not its algorithm: flags, the device and process-group
-set-up, data, DDP's interface for 01-03, what the sharded optimizers of 04-06 share (master
-weights, one optimizer tensor per parameter, clipping across shards), and the optimizer of
-01-03 and its schedule. (A clean exit and naming a lost rank: lifecycle.py.)
-
-The lessons' collectives are on their own pages. What talks to other ranks here is bookkeeping:
-the broadcast of rank 0's weights (Replicated), UsedParameters' small all-reduce when a caller
-asks for find_unused_parameters, and clipping's one scalar all-reduce.
+"""What every lesson sets up before its algorithm: flags, the device and the process group, the
+model and its data. (DDP's shape for 01-03: ddp.py; the optimizers' side: optimizers.py; a clean
+exit and naming a lost rank: lifecycle.py.)
 """
 import argparse
-import contextlib
 import functools
 import os
 import warnings
@@ -17,7 +11,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from lifecycle import WATCHDOG_S, fail, say, start_heartbeat
 from model import GPT, GPTConfig
@@ -101,12 +94,9 @@ def parse_args(argv=None, description=""):
         fail(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     if args.lr <= 0 or args.bucket_mb <= 0 or args.grad_clip < 0 or args.timeout <= 0:
         fail("--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative")
-    if args.weight_decay < 0:
-        fail(f"--weight-decay must be 0 or positive, got {args.weight_decay}")
-    if args.warmup_steps < 0:
-        fail(f"--warmup-steps must be 0 or positive, got {args.warmup_steps}")
-    if args.save_every < 0:
-        fail(f"--save-every must be 0 (never) or positive, got {args.save_every}")
+    for name in ("weight_decay", "warmup_steps", "save_every"):  # (--save-every 0: never)
+        if getattr(args, name) < 0:
+            fail(f"--{name.replace('_', '-')} must be 0 or positive, got {getattr(args, name)}")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
@@ -176,11 +166,9 @@ def init_distributed(args) -> Dist:
         torch.cuda.set_device(device)  # before anything touches CUDA: else every rank makes a context on GPU 0
         if args.precision == "bf16" and not torch.cuda.is_bf16_supported():
             fail(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16 support (use fp32)")
-    if dist.is_initialized():
-        pass
-    elif "RANK" in os.environ:  # launched by torchrun
+    if not dist.is_initialized() and "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group(backend, timeout=timeout, device_id=device if kind == "cuda" else None)
-    else:  # plain `python 0N_x.py`: the same code path with a world of one
+    elif not dist.is_initialized():  # plain `python 0N_x.py`: the same code path with a world of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     args.device = kind
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -260,54 +248,3 @@ def get_batch(args, env: Dist, step, micro):
     per_micro = per_rank // args.grad_accum
     rows = _rows[1][micro * per_micro:(micro + 1) * per_micro]
     return rows[:, :-1], rows[:, 1:]
-
-
-# ----------------------------------------------------------------------------- DDP's shape (01-03)
-class Replicated(nn.Module):
-    """What 01-03 share with `DistributedDataParallel`'s interface, so a loop written for DDP
-    runs them unchanged: `.module`, rank 0's weights broadcast when built, calling it runs the
-    module, `require_backward_grad_sync` and `no_sync()` (gradient accumulation), and
-    at_end_of_backward(fn) to run `fn` once the backward in progress is over, inside
-    `loss.backward()`: the autograd engine's callback queue, which DDP's reducer uses to finish
-    its all-reduces. Not in a no_sync() backward."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-        self.require_backward_grad_sync = True
-        self.world_size = dist.get_world_size()
-        # Ranks may start from different random weights: make rank 0's the truth, as DDP does
-        # when it is built.
-        with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(tensor, src=0)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """As DDP's: backward passes inside only accumulate; the next one outside synchronizes."""
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = True
-
-    def at_end_of_backward(self, fn):
-        if self.require_backward_grad_sync:
-            at_end_of_backward(self, fn)
-
-
-def at_end_of_backward(owner, fn):
-    """Call from a gradient hook: fn() runs once this backward is over, inside loss.backward(),
-    once per backward for each owner. (The autograd engine's callback queue, as DDP's reducer
-    and FSDP use, so the training loop needs no call of its own after backward.)"""
-    if getattr(owner, "_end_of_backward_queued", False):
-        return
-    owner._end_of_backward_queued = True
-
-    def run():
-        owner._end_of_backward_queued = False
-        fn()
-    torch.autograd.Variable._execution_engine.queue_callback(run)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import common
 from comm_meter import CommMeter, gpu_overlap, plot_timeline
-from memory_ledger import MemoryLedger, PeakAlive, _PeakParams, max_rss  # noqa: F401 (PeakAlive: 06's)
+from memory_ledger import MemoryLedger, _PeakParams, max_rss
 from theory import theory_memory, theory_ring_bytes
 
 
@@ -37,7 +37,6 @@ class Run:
         self.gpu_overlap = self.cuda_step_peak = None
         self.losses, self.step_times, self.memory = [], [], None
         self.peak_params = None
-        self.init_peak = None  # optional: bytes held at once while the strategy was built (06)
         # A resumed run (--resume) starts at the checkpoint's step: it then measures the first
         # step at or after --measure-step that it runs, and its losses start at resumed_from.
         self.resumed_from, self.measure_step = None, args.measure_step
@@ -103,7 +102,7 @@ class Run:
         def step_with_sample(*a, **k):
             self.memory = self.ledger.measure()
             probe.optimizer_begins()
-            return original(*a, **k)
+            return self.comm.timed("optimizer", original)(*a, **k)  # the timeline's optimizer phase
 
         self.optimizer.step = step_with_sample
         probe = _PeakParams(self.ledger)
@@ -132,8 +131,6 @@ class Run:
                     "timeline": self.comm.timeline() if getattr(self.args, "trace", None) else None}
         if self.env.master:  # rank 0's parameter bytes over the measured step
             measured["params_timeline"] = getattr(self, "params_timeline", None)
-        if self.init_peak is not None:
-            measured["memory"]["init_peak"] = self.init_peak
         if self.cuda:  # what the caching allocator handed out: over the run, and in the measured step
             measured["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
             measured["memory"]["cuda_step_peak"] = self.cuda_step_peak
@@ -206,8 +203,7 @@ class Run:
             # ZeRO-3 adds the units gathered in flight to its shards; no formula, a measurement
             row += f" | peak_params {m['peak_params'] / mib:.2f} during the step"
         print(f"  memory rank 0, MiB at rest: {row}"
-              + (f" | other {m['other'] / mib:.2f}" if m.get("other") else "")
-              + (f" | init peak {m['init_peak'] / mib:.2f}" if m.get("init_peak") else ""), flush=True)
+              + (f" | other {m['other'] / mib:.2f}" if m.get("other") else ""), flush=True)
         if m.get("cuda_step_peak") is not None:  # everything the step allocated: activations too
             held = sum(m.get(k, 0) for k in ("params", "grads", "optimizer"))
             print(f"  GPU rank 0, MiB: peak allocated in the measured step {m['cuda_step_peak'] / mib:.2f} | "

@@ -1,11 +1,10 @@
 """Memory, observed from outside the lessons: MemoryLedger walks the tensors a strategy and its
 optimizer actually hold and sums their storages (each storage once), by category; sampled after
 every tensor operation of the measured step (_PeakParams) it finds the most parameter bytes
-alive at once; PeakAlive observes a construction; max_rss is the whole process.
+alive at once; max_rss is the whole process.
 """
 import resource
 import sys
-import weakref
 
 import torch
 import torch.nn as nn
@@ -153,31 +152,6 @@ class _PeakParams(TorchDispatchMode):
                     break
                 s[2] = "optimizer"
         self.in_optimizer = True
-
-
-class PeakAlive(TorchDispatchMode):
-    """The most bytes held at once by tensors created while it is active, sampled after every
-    tensor operation (each storage once; a freed storage counts zero). Observes a construction
-    from outside, e.g. ZeRO-3 (06) materialising a model one unit at a time: everything it
-    allocates counts, shards, full units and the initialiser's temporaries alike."""
-
-    def __init__(self):
-        super().__init__()
-        self.alive, self.peak = [], 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (list, tuple)) else [out]):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self.alive.append(weakref.ref(t))
-        self.alive = [r for r in self.alive if r() is not None]
-        storages = {}
-        for r in self.alive:
-            t = r()
-            if t is not None and t.untyped_storage().nbytes():
-                storages[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
-        self.peak = max(self.peak, sum(storages.values()))
-        return out
 
 
 def max_rss():

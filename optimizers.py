@@ -8,7 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from checkpoint import FlatShard
+from reshard import FlatShard
 
 
 # ----------------------------------------------------------------------------- sharded optimizers (04-06)
@@ -198,10 +198,11 @@ class MixedPrecisionAdamW:
             if p.grad is not None:
                 p.grad.zero_()
 
-    def checkpoint_shards(self, names):
-        """For checkpoint.py, 01-03's state: every trainable parameter whole, with its master
-        (itself in fp32) and AdamW's state for it. Replicated, so rank 0 alone writes it."""
-        mine = dist.get_rank() == 0
-        return [FlatShard([(names[p], p.numel())], {"param": (0, p), "master": (0, m)},
-                          owned=(0, p.numel() if mine else 0), optim=self.optim)
-                for p, m in zip(self.params, self.master)]
+
+def checkpoint_shards(optimizer, names):
+    """For checkpoint.py, what a MixedPrecisionAdamW holds (01-03): every trainable parameter
+    whole, with its master (itself in fp32) and AdamW's state for it. Replicated: rank 0 writes."""
+    mine = dist.get_rank() == 0
+    return [FlatShard([(names[p], p.numel())], {"param": (0, p), "master": (0, m)},
+                      owned=(0, p.numel() if mine else 0), optim=optimizer.optim)
+            for p, m in zip(optimizer.params, optimizer.master)]

@@ -7,10 +7,12 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Which files are graded and where they are read from (this checkout or a student edition):
 # the course kit's own module, tests/graded.py.
@@ -112,12 +114,63 @@ def once(fn):
 
 
 def run_lesson(lesson, argv):
-    """In a spawned rank: run a lesson's main() with these flags; return what tests compare."""
+    """In a spawned rank: run a lesson's main() with these flags; return what tests compare.
+    A sharded model (06's) is gathered by its full_parameters(); others are read as they are."""
     run = load_lesson(lesson).main(argv)
-    model = run.model
-    full = getattr(run, "full_parameters", None)
-    params = full() if full else {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    full = next((h.full_parameters for h in run.ledger.roots if hasattr(h, "full_parameters")), None)
+    params = full() if full else {n: p.detach().float().clone() for n, p in run.model.named_parameters()}
     return {"losses": run.losses, "params": params, "report": run.final_report}
+
+
+# ----------------------------------------------------------------------------- reading a report
+def comm_ops(report):
+    """{collective: {"calls", "bytes"}}: what rank 0 issued in the measured step."""
+    return report["comm"]["ops"]
+
+
+def sent_bytes(report):
+    """Ring bytes one rank sends per step, measured."""
+    return report["comm"]["ring_bytes_per_step"]
+
+
+def theory_bytes(report):
+    """Ring bytes one rank sends per step, by the ZeRO paper's formula."""
+    return report["comm"]["theory_ring_bytes_per_step"]
+
+
+def held(report):
+    """Per rank, the bytes held at rest by category (params, grads, optimizer, ...), measured."""
+    return report["memory"]["per_rank"]
+
+
+def memory_theory(report):
+    """The ZeRO paper's bytes per rank for this stage, world size and precision."""
+    return report["memory"]["theory"]
+
+
+class PeakAlive(TorchDispatchMode):
+    """The most bytes held at once by tensors created while it is active, sampled after every
+    tensor operation (each storage once; a freed storage counts zero). Observes a construction
+    from outside, e.g. ZeRO-3 (06) materialising a model one unit at a time: everything it
+    allocates counts, shards, full units and the initialiser's temporaries alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive, self.peak = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (list, tuple)) else [out]):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.alive.append(weakref.ref(t))
+        self.alive = [r for r in self.alive if r() is not None]
+        storages = {}
+        for r in self.alive:
+            t = r()
+            if t is not None and t.untyped_storage().nbytes():
+                storages[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(storages.values()))
+        return out
 
 
 # ----------------------------------------------------------------------------- the reference

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import harness
-from harness import gpt_train, recording, reference, run_lesson, spawn, toy_reference_grads
+from harness import (comm_ops, gpt_train, recording, reference, run_lesson, sent_bytes, spawn, theory_bytes,
+                     toy_reference_grads)
 from lessons import build
 from toy import toy_reference, toy_train
 
@@ -70,13 +71,13 @@ def test_edge_cases_tied_frozen_unused_different_init_accumulation(world):
 def test_one_all_reduce_per_gradient_and_ring_bytes_equal_theory(world):
     report = results(world)[0]["main"]["report"]
     psi = report["n_params"]
-    ops = report["comm"]["ops"]
+    ops = comm_ops(report)
     assert list(ops) == ["all_reduce"]
     assert ops["all_reduce"]["bytes"] == psi * 4  # exact: every gradient once, fp32
     # one call per parameter tensor with a gradient; the tied embedding/head counts once
     assert ops["all_reduce"]["calls"] == len(results(world)[0]["main"]["params"])
-    assert report["comm"]["ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"]
-    assert report["comm"]["ring_bytes_per_step"] == 2 * (world - 1) / world * psi * 4
+    assert sent_bytes(report) == theory_bytes(report)
+    assert sent_bytes(report) == 2 * (world - 1) / world * psi * 4
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import harness
-from harness import gpt_train, recording, reference, run_lesson, spawn, toy_reference_grads
+from harness import (comm_ops, gpt_train, held, memory_theory, recording, reference, run_lesson, sent_bytes, spawn,
+                     theory_bytes, toy_reference_grads)
 from lessons import build
 from toy import toy_reference, toy_train
 
@@ -104,15 +105,15 @@ def test_one_all_reduce_per_gradient_and_ring_bytes_equal_theory(world):
     main = results(world)[0]["main"]
     report = main["report"]
     psi = report["n_params"]
-    ops = report["comm"]["ops"]
+    ops = comm_ops(report)
     assert list(ops) == ["all_reduce"]
     assert ops["all_reduce"]["bytes"] == psi * 4  # exact: every gradient once, fp32
     # one call per parameter tensor with a gradient; the tied embedding/head counts once
     assert ops["all_reduce"]["calls"] == len(main["params"])
-    assert report["comm"]["ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"]
-    assert report["comm"]["ring_bytes_per_step"] == 2 * (world - 1) / world * psi * 4
+    assert sent_bytes(report) == theory_bytes(report)
+    assert sent_bytes(report) == 2 * (world - 1) / world * psi * 4
     # gradient accumulation: the non-final micro-steps communicate nothing
-    assert results(world)[0]["accum"]["report"]["comm"]["ops"] == ops
+    assert comm_ops(results(world)[0]["accum"]["report"]) == ops
 
 
 def test_bf16_matches_reference_and_ddp_and_memory_equals_theory():
@@ -126,11 +127,11 @@ def test_bf16_matches_reference_and_ddp_and_memory_equals_theory():
         close(rank_out["bf16"], rank_out["bf16_ddp"], tol=dict(rtol=0, atol=0))
     report = results(2)[0]["bf16"]["report"]
     psi, n_tensors = report["n_params"], len(results(2)[0]["bf16"]["params"])
-    assert report["comm"]["ops"]["all_reduce"]["bytes"] == psi * 2  # bf16 collectives
-    assert report["comm"]["ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"]
-    theory = report["memory"]["theory"]
+    assert comm_ops(report)["all_reduce"]["bytes"] == psi * 2  # bf16 collectives
+    assert sent_bytes(report) == theory_bytes(report)
+    theory = memory_theory(report)
     assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * psi, 2 * psi, 12 * psi)
-    for mem in report["memory"]["per_rank"]:  # measured from the live tensors, rank by rank
+    for mem in held(report):  # measured from the live tensors, rank by rank
         assert mem["params"] == 2 * psi and mem["peak_params"] == 2 * psi
         assert mem["grads"] == 2 * psi
         # fp32 master weights and two fp32 moments: 12 Psi. torch's AdamW also keeps one 0-dim

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 import common
 import harness
-from harness import gpt_train, recording, reference, run_lesson, spawn, toy_reference_grads
+from harness import (comm_ops, gpt_train, held, memory_theory, recording, reference, run_lesson, sent_bytes, spawn,
+                     theory_bytes, toy_reference_grads)
 from lessons import build
 from comm_meter import CommMeter
 from model import GPT
@@ -112,7 +113,7 @@ grads_close = functools.partial(harness.grads_close, tol=GRAD_TOL)
 
 
 def all_reduces(report):
-    ops = report["comm"]["ops"]
+    ops = comm_ops(report)
     assert list(ops) == ["all_reduce"]
     return ops["all_reduce"]
 
@@ -136,10 +137,10 @@ def test_one_all_reduce_per_bucket_and_ring_bytes_equal_theory(world):
     report = out["main"]["report"]  # main() at the default cap: the whole model in one bucket
     assert report["n_params"] == PSI and len(out["main"]["params"]) == N_TENSORS
     assert all_reduces(report) == {"calls": 1, "bytes": PSI * 4}  # exact: every gradient once
-    assert report["comm"]["ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"]
-    assert report["comm"]["ring_bytes_per_step"] == 2 * (world - 1) / world * PSI * 4
+    assert sent_bytes(report) == theory_bytes(report)
+    assert sent_bytes(report) == 2 * (world - 1) / world * PSI * 4
     # gradient accumulation: the non-final micro-steps communicate nothing
-    assert out["accum"]["report"]["comm"]["ops"] == report["comm"]["ops"]
+    assert comm_ops(out["accum"]["report"]) == comm_ops(report)
     # Other caps, counted over the whole run: the harness also all-reduces each step's loss
     # (one fp32 scalar), so per step there are n_buckets + 1 calls and Psi * 4 + 4 bytes.
     steps = len(out["main"]["losses"])
@@ -192,14 +193,14 @@ def test_bf16_matches_reference_and_ddp_and_memory_equals_theory():
     out = results(2)[0]
     report = out["bf16"]["report"]
     assert all_reduces(report)["bytes"] == PSI * 2  # bf16 collectives
-    assert report["comm"]["ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"]
+    assert sent_bytes(report) == theory_bytes(report)
     # The cap counts the gradients' real bytes: bf16 gradients are half the size, so the cap
     # that makes two fp32 buckets holds the whole bf16 model in one (plus the loss's all-reduce).
     steps = len(out["bf16"]["losses"])
     assert out["bf16_cap2"]["all_reduce"] == {"calls": steps * 2, "bytes": steps * (PSI * 2 + 4)}
-    theory = report["memory"]["theory"]
+    theory = memory_theory(report)
     assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * PSI, 2 * PSI, 12 * PSI)
-    for mem in report["memory"]["per_rank"]:  # measured from the live tensors, rank by rank
+    for mem in held(report):  # measured from the live tensors, rank by rank
         assert mem["params"] == 2 * PSI and mem["peak_params"] == 2 * PSI
         assert mem["grads"] == 2 * PSI  # the bucket buffers are the gradients: no extra copy
         # fp32 master weights and two fp32 moments: 12 Psi. torch's AdamW also keeps one 0-dim

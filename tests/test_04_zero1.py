@@ -7,7 +7,7 @@ import pytest
 import common
 import optimizers
 
-from harness import gpt_train, once, run_lesson, spawn
+from harness import comm_ops, gpt_train, held, memory_theory, once, run_lesson, sent_bytes, spawn, theory_bytes
 from lessons import build
 from toy import toy_reference, toy_train
 from model import GPT
@@ -76,13 +76,13 @@ def test_bf16_matches_mixed_precision_reference(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_at_rest_bf16_is_zero1_theory_plus_padding(world):
     report = results(world)[0]["bf16"]["report"]
-    theory, n = report["memory"]["theory"], padded(world)
+    theory, n = memory_theory(report), padded(world)
     assert report["n_params"] == PSI
     assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * PSI, 2 * PSI, 12 * PSI / world)
     # the flat buffer's layout: main()'s param groups in order (matrices, then biases and norms)
     gpt = GPT(common.model_config(common.parse_args(BF16)))
     numels = [p.numel() for g in optimizers.decay_groups(gpt, 0.1) for p in g["params"]]
-    for rank, m in enumerate(report["memory"]["per_rank"]):
+    for rank, m in enumerate(held(report)):
         # exact bytes: one padded bf16 flat buffer each for parameters and gradients (2 Psi
         # each); for one shard of it, fp32 master weights and two fp32 Adam moments (12 Psi / N),
         # plus Adam's step counts (zero_parity.optimizer_bytes); nothing else held
@@ -99,15 +99,15 @@ def test_memory_at_rest_bf16_is_zero1_theory_plus_padding(world):
 def test_comm_is_one_reduce_scatter_and_one_all_gather_as_much_as_an_all_reduce(world):
     out = results(world)[0]
     for key, nbytes in (("main", 4), ("bf16", 2)):
-        comm = out[key]["report"]["comm"]
+        report = out[key]["report"]
         # exact: the padded flat buffer once each way
-        assert comm["ops"] == {"reduce_scatter": {"calls": 1, "bytes": padded(world) * nbytes},
+        assert comm_ops(report) == {"reduce_scatter": {"calls": 1, "bytes": padded(world) * nbytes},
                                "all_gather": {"calls": 1, "bytes": padded(world) * nbytes}}, key
         # a ring all-reduce's bytes, 2 (N-1)/N Psi, as in 01-03: padding is all it adds
-        assert comm["ring_bytes_per_step"] == 2 * (world - 1) / world * padded(world) * nbytes
-        assert comm["theory_ring_bytes_per_step"] == 2 * (world - 1) / world * PSI * nbytes
+        assert sent_bytes(report) == 2 * (world - 1) / world * padded(world) * nbytes
+        assert theory_bytes(report) == 2 * (world - 1) / world * PSI * nbytes
     # 2 micro-steps, clipping on: the same once per optimizer step (ZeRO-1 keeps the whole
     # gradient, so it reduces once, at the end), plus exactly one all-reduce of one fp32
     # scalar, the squared norm summed over all shards
-    ops, main = out["accum_clip"]["report"]["comm"]["ops"], out["main"]["report"]["comm"]["ops"]
+    ops, main = comm_ops(out["accum_clip"]["report"]), comm_ops(out["main"]["report"])
     assert ops == {**main, "all_reduce": {"calls": 1, "bytes": 4}}

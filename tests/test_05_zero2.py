@@ -10,7 +10,7 @@ import common
 import optimizers
 import memory_ledger
 from graded import load_lesson
-from harness import gpt_train, once, run_lesson, spawn
+from harness import comm_ops, gpt_train, held, memory_theory, once, run_lesson, sent_bytes, spawn, theory_bytes
 from lessons import build
 from model import GPT
 from toy import make_toy, toy_reference, toy_train
@@ -130,12 +130,12 @@ def test_bf16_matches_mixed_precision_reference(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_at_rest_bf16_is_zero2_theory_plus_padding(world):
     report = results(world)[0]["bf16"]["report"]
-    theory = report["memory"]["theory"]
+    theory = memory_theory(report)
     n, n_buckets = layout(BF16, world)
     assert report["n_params"] == PSI
     assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * PSI, 2 * PSI / world, 12 * PSI / world)
     buckets = bucket_numels(BF16, world)
-    for rank, m in enumerate(report["memory"]["per_rank"]):
+    for rank, m in enumerate(held(report)):
         # exact bytes: one padded bf16 flat buffer per bucket for the parameters (2 Psi); my
         # slice of each bucket's gradient (2 Psi / N: no full-size bucket is left over); fp32
         # master weights and two Adam moments for my slices (12 Psi / N), plus Adam's step
@@ -172,19 +172,19 @@ def test_comm_is_reduce_scatters_and_all_gathers_per_bucket_as_much_as_an_all_re
     out = results(world)[0]
     for key, argv, nbytes in (("main", ARGV, 4), ("bf16", BF16, 2)):
         n, n_buckets = layout(argv, world)
-        comm = out[key]["report"]["comm"]
+        report = out[key]["report"]
         # exact: every bucket (padded) once each way
-        assert comm["ops"] == {"reduce_scatter": {"calls": n_buckets, "bytes": n * nbytes},
+        assert comm_ops(report) == {"reduce_scatter": {"calls": n_buckets, "bytes": n * nbytes},
                                "all_gather": {"calls": n_buckets, "bytes": n * nbytes}}, key
         # a ring all-reduce's bytes, 2 (N-1)/N Psi, as in 01-04: padding is all it adds
-        assert comm["ring_bytes_per_step"] == pytest.approx(2 * (world - 1) / world * n * nbytes, rel=1e-12)
-        assert comm["theory_ring_bytes_per_step"] == 2 * (world - 1) / world * PSI * nbytes
+        assert sent_bytes(report) == pytest.approx(2 * (world - 1) / world * n * nbytes, rel=1e-12)
+        assert theory_bytes(report) == 2 * (world - 1) / world * PSI * nbytes
     # 2 micro-steps, clipping on: a reduce-scatter per bucket at every micro-step (no rank
     # keeps a whole gradient to accumulate into: the price of 05's choice, see its docstring),
     # the all-gathers once per optimizer step, and exactly one all-reduce of one fp32 scalar,
     # the squared norm summed over all shards
     n, n_buckets = layout(ARGV, world)
-    assert out["accum_clip"]["report"]["comm"]["ops"] == {
+    assert comm_ops(out["accum_clip"]["report"]) == {
         "reduce_scatter": {"calls": 2 * n_buckets, "bytes": 2 * n * 4},
         "all_gather": {"calls": n_buckets, "bytes": n * 4},
         "all_reduce": {"calls": 1, "bytes": 4}}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import common
 import harness
 from graded import load_lesson
-from harness import gpt_train, reference, run_lesson, spawn
+from harness import gpt_train, held, reference, run_lesson, sent_bytes, spawn, theory_bytes
 from lessons import build
 from model import GPT
 from toy import make_toy, toy_batch, toy_reference, toy_train
@@ -45,21 +45,35 @@ BF16_PARAM_RTOL = 6e-3
 
 
 def initial_weights(argv):
-    """In a spawned rank: main()'s model, built unit by unit from the meta device, gathered."""
+    """In a spawned rank: main()'s model, built unit by unit from the meta device: its weights,
+    gathered, and the most bytes its construction held at once (observed by harness.PeakAlive)."""
     args = common.parse_args(argv)
     env = common.Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "gloo")
-    return load_lesson(LESSON).build_model(args, env).full_parameters()
+    with harness.PeakAlive() as construction:
+        model = load_lesson(LESSON).build_model(args, env)
+    return {"params": model.full_parameters(), "init_peak": construction.peak}
+
+
+def poison_all_gathers():
+    """From here on every all-gather writes into a buffer first filled with NaN: a byte it fails
+    to write (a prefetch not waited for, a wrong offset, a freed buffer read before its refill)
+    is NaN, not stale bytes that happen to be right, and poisons loss and weights. (Not where
+    the input is a slice of the output: FSDP2 gathers in place.)"""
+    all_gather = dist.all_gather_into_tensor
+
+    def poisoned(output_tensor, input_tensor, *args, **kwargs):
+        if output_tensor.untyped_storage().data_ptr() != input_tensor.untyped_storage().data_ptr():
+            output_tensor.fill_(float("nan"))
+        return all_gather(output_tensor, input_tensor, *args, **kwargs)
+    dist.all_gather_into_tensor = poisoned
 
 
 def suite(world):
     """Everything lesson 06 is checked on, in one launch per world size (start-up is costly)."""
-    zero3 = load_lesson(LESSON).ZeRO3
     out = {"main": run_lesson(LESSON, ARGV),  # the default path, as a student runs it
-           "init": initial_weights(ARGV), "init_bf16": initial_weights(BF16)}
-    # From here on every all-gather writes into a buffer first filled with NaN: a byte it fails
-    # to write (a prefetch not waited for, a wrong offset, a freed buffer read before its
-    # refill) is NaN, not stale bytes that happen to be right, and poisons loss and weights.
-    zero3.fill_nan_before_gather = True
+           "init": initial_weights(ARGV), "init_no_prefetch": initial_weights(NO_PREFETCH),
+           "init_bf16": initial_weights(BF16)}
+    poison_all_gathers()
     sgd = dict(optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(lr=0.5))
     out.update({
         "accum_clip": run_lesson(LESSON, ACCUM_CLIP),
@@ -92,9 +106,9 @@ def test_meta_init_equals_single_process_model_exactly(world):
         args = common.parse_args(argv)
         ref = GPT(common.model_config(args), seed=args.seed)
         for rank_out in results(world):
-            assert rank_out[key].keys() == dict(ref.named_parameters()).keys()
+            assert rank_out[key]["params"].keys() == dict(ref.named_parameters()).keys()
             for name, p in ref.named_parameters():  # the same generators, the same bits
-                assert torch.equal(rank_out[key][name], p.detach().float()), name
+                assert torch.equal(rank_out[key]["params"][name], p.detach().float()), name
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -183,7 +197,7 @@ def test_memory_at_rest_and_peak_params(world, key):
     b = 2 if key == "bf16" else 4  # bytes per gathered element
     shard_bytes = sum(padded(n, world) // world for n in numels) * 4  # Psi/N, plus padding
     root, largest_block = padded(numels[0], world) * b, max(padded(n, world) for n in numels[1:]) * b
-    for rank, mem in enumerate(results(world)[0][key]["report"]["memory"]["per_rank"]):
+    for rank, mem in enumerate(held(results(world)[0][key]["report"])):
         # at rest every model state is my shard and nothing else: exact bytes
         assert mem["params"] == shard_bytes
         assert mem["grads"] == shard_bytes
@@ -208,15 +222,15 @@ def test_initialisation_holds_one_full_unit_at_most(world):
     numels, largest_param = units(ARGV)
     shard_bytes = sum(padded(n, world) // world for n in numels) * 4
     largest_unit = max(padded(n, world) for n in numels) * 4
-    # Everything construction allocated and held at once (measure.PeakAlive): at most all the
+    # Everything construction allocated and held at once (harness.PeakAlive): at most all the
     # shards, one full unit, and model.init_parameters' temporaries (it draws each value in fp32
     # and scales it: two tensors the size of one parameter). A build that keeps each unit's full
     # buffer after sharding ends up holding the whole model and fails this at 2 and 4 ranks (at
     # 1 rank the shards are the whole model, so there the bound cannot tell).
     init_temporaries = 2 * largest_param * 4
-    for key in ("main", "no_prefetch"):
-        for mem in results(world)[0][key]["report"]["memory"]["per_rank"]:
-            assert largest_unit <= mem["init_peak"] <= shard_bytes + largest_unit + init_temporaries
+    for rank_out in results(world):
+        for key in ("init", "init_no_prefetch"):
+            assert largest_unit <= rank_out[key]["init_peak"] <= shard_bytes + largest_unit + init_temporaries
 
 
 # ----------------------------------------------------------------------------- communication
@@ -227,14 +241,13 @@ def test_two_all_gathers_one_reduce_scatter_per_unit_ring_bytes_3psi(world, key)
     b = 2 if key == "bf16" else 4
     padded_psi = sum(padded(n, world) for n in numels)
     report = results(world)[0][key]["report"]
-    comm = report["comm"]
     ring = 3 * (world - 1) / world * padded_psi * b  # ZeRO paper: 3 Psi (N-1)/N, + padding
     expected = {"all_gather": {"calls": 2 * len(numels), "bytes": 2 * padded_psi * b},
                 "reduce_scatter": {"calls": len(numels), "bytes": padded_psi * b}}
     if key != "no_prefetch":  # gradient clipping: one fp32 scalar, the global squared norm
         expected["all_reduce"] = {"calls": 1, "bytes": 4}
         ring += 2 * (world - 1) / world * 4
-    assert all(ops == expected for ops in comm["per_rank"])  # every rank, exactly
-    assert comm["ring_bytes_per_step"] == pytest.approx(ring, rel=1e-12)
+    assert all(ops == expected for ops in report["comm"]["per_rank"])  # every rank, exactly
+    assert sent_bytes(report) == pytest.approx(ring, rel=1e-12)
     psi = report["n_params"]
-    assert comm["theory_ring_bytes_per_step"] == 3 * (world - 1) / world * psi * b
+    assert theory_bytes(report) == 3 * (world - 1) / world * psi * b

@@ -18,10 +18,13 @@ import torch.distributed as dist
 
 import checkpoint
 import common
+import optimizers
+import reshard
 from graded import lesson_file, load_lesson
 from harness import ROOT, reference, run_lesson, spawn
 from lessons import build
 from model import GPT
+from scripts.learn.consolidate import consolidate
 from toy import BATCH, make_toy, toy_batch
 from zero_parity import close, identical
 
@@ -74,9 +77,7 @@ def handles(lesson, trainer):
     if lesson in ("04", "05"):  # the lesson's function, of its optimizer
         name = {"04": "04_zero1", "05": "05_zero2"}[lesson]
         return trainer.model, functools.partial(load_lesson(name).checkpoint_shards, trainer.opt)
-    if lesson == "01":
-        return trainer.module, trainer.opt.checkpoint_shards
-    return trainer.model, trainer.opt.checkpoint_shards
+    return trainer.module, functools.partial(optimizers.checkpoint_shards, trainer.opt)  # 01: its optimizer's
 
 
 def optimizer_of(lesson, trainer):
@@ -117,7 +118,7 @@ def toy_saved(lesson, root):
 # ----------------------------------------------------------------------------- refused loads
 def snapshot(module, holder, optim):
     """Every tensor a strategy holds (parameters, masters, Adam state), copied."""
-    out = [t.detach().clone() for s in checkpoint._shards(module, holder) for _, t in s.tensors.values()]
+    out = [t.detach().clone() for s in reshard.shards(module, holder) for _, t in s.tensors.values()]
     return out + [v.clone() for state in optim.state.values() for v in state.values()]
 
 
@@ -292,8 +293,8 @@ def test_resume_is_exact_for_every_lesson(root):
             assert report["comm"]["measured_step"] == 2
     # the resumed runs saved step 6 again: the very same state as the uninterrupted run's
     for lesson in LESSONS:
-        a = checkpoint.consolidate(step_dir(f"{root}/{lesson}/full", 6))
-        b = checkpoint.consolidate(step_dir(f"{root}/{lesson}/w2", 6))
+        a = consolidate(step_dir(f"{root}/{lesson}/full", 6))
+        b = consolidate(step_dir(f"{root}/{lesson}/w2", 6))
         assert all(torch.equal(a[n], b[n]) for n in a), lesson
 
 
@@ -303,7 +304,7 @@ def test_bf16_resume_is_exact_and_keeps_fp32_masters(root):
             identical(out["resumed"][lesson, "bf16"], tail(out["full"][lesson, "bf16"], 4))
     for lesson in SHARDED:
         full = world2(root)[0]["full"][lesson, "bf16"]
-        sd = checkpoint.consolidate(step_dir(f"{root}/{lesson}/bf16", 6))
+        sd = consolidate(step_dir(f"{root}/{lesson}/bf16", 6))
         # the fp32 masters, of which the bf16 weights are the rounding, not the bf16 weights
         assert all(torch.equal(sd[n].bfloat16(), p.bfloat16()) for n, p in full["params"].items())
         if lesson == "06_zero3":  # its parameters at rest ARE the fp32 masters (FSDP2's way)
@@ -336,7 +337,7 @@ def test_consolidated_state_dict_is_the_run_and_loads_into_gpt(root):
     full = world2(root)[0]["full"]
     cfg = common.model_config(common.parse_args(ARGV))
     for lesson in LESSONS:
-        sd = checkpoint.consolidate(step_dir(f"{root}/{lesson}/full", 6))
+        sd = consolidate(step_dir(f"{root}/{lesson}/full", 6))
         params = full[lesson]["params"]
         assert sd.keys() == params.keys() | {"lm_head.weight"}  # the tied name too
         assert all(torch.equal(sd[n], p) and sd[n].dtype == torch.float32 for n, p in params.items()), lesson
@@ -344,7 +345,7 @@ def test_consolidated_state_dict_is_the_run_and_loads_into_gpt(root):
         model.load_state_dict(sd)  # strict: no key missing or unexpected, no padding left
         assert model.lm_head.weight is model.wte.weight and torch.equal(model.wte.weight, params["wte.weight"])
     # the world-4 run's checkpoint consolidates to the same model (within TOL: see above)
-    sd4 = checkpoint.consolidate(step_dir(f"{root}/06_zero3/w4", 6))
+    sd4 = consolidate(step_dir(f"{root}/06_zero3/w4", 6))
     close({"losses": [], "params": {n: sd4[n] for n in full["06_zero3"]["params"]}},
           {"losses": [], "params": full["06_zero3"]["params"]})
 
@@ -357,7 +358,7 @@ def test_consolidate_command(root, tmp_path):
     out = str(tmp_path / "zero3.pt")
     assert script.main([f"{root}/06_zero3/full", out]) == step_dir(f"{root}/06_zero3/full", 6)  # the newest
     sd = torch.load(out, weights_only=True)
-    want = checkpoint.consolidate(step_dir(f"{root}/06_zero3/full", 6))
+    want = consolidate(step_dir(f"{root}/06_zero3/full", 6))
     assert sd.keys() == want.keys() and all(torch.equal(sd[n], want[n]) for n in want)
     GPT(common.model_config(common.parse_args(ARGV)), seed=None).load_state_dict(sd)
 
@@ -394,8 +395,8 @@ def test_crash_during_save_resumes_from_the_previous_complete_checkpoint(root):
     for out in world2(root):
         identical(out["crash"], tail(full, 2))  # step 4 had no marker: resumed from step 2
     # and saving step 4 again replaced the torn files with a complete checkpoint
-    a = checkpoint.consolidate(step_dir(f"{root}/04_zero1/full", 4))
-    b = checkpoint.consolidate(step_dir(f"{root}/crash", 4))
+    a = consolidate(step_dir(f"{root}/04_zero1/full", 4))
+    b = consolidate(step_dir(f"{root}/crash", 4))
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 

@@ -338,11 +338,12 @@ def test_bf16_master_weights_start_from_the_fp32_initial_weights(tmp_path):
     # ~1e-30 (AdamW steps about lr), far below bf16's rounding (~1e-3 of a weight of 0.02) that
     # masters made from the bf16 copy would show.
     import checkpoint
+    from scripts.learn.consolidate import consolidate
     spawn(2, bf16_first_step_saved, str(tmp_path))
     args = common.parse_args(SCHEDULED)
     fp32 = dict(common.GPT(common.model_config(args), seed=args.seed).named_parameters())
     for name in LESSONS:
-        masters = checkpoint.consolidate(checkpoint.latest(f"{tmp_path}/{name}"))
+        masters = consolidate(checkpoint.latest(f"{tmp_path}/{name}"))
         for param, want in fp32.items():
             torch.testing.assert_close(masters[param], want.detach(), rtol=0, atol=1e-25, msg=f"{name} {param}")
 

@@ -17,6 +17,21 @@ import sys
 import torch
 
 import checkpoint
+import reshard
+
+
+def consolidate(path):
+    """One plain {name: fp32 tensor} state_dict, tied names included, padding gone: loadable by
+    model.GPT(...).load_state_dict(sd) without torch.distributed. The fp32 master values where
+    the checkpoint has them (bf16: the truth; the working bf16 weights are them rounded)."""
+    meta, index, _ = checkpoint.read(path)
+    sd = {}
+    for name, shape in meta["params"].items():
+        kind = "master" if (name, "master") in index else "param"
+        sd[name] = reshard.gather(index, name, kind, 0, torch.Size(shape).numel()).float().view(shape).clone()
+    for alias, name in meta["aliases"].items():
+        sd[alias] = sd[name]
+    return sd
 
 
 def main(argv=None):
@@ -30,7 +45,7 @@ def main(argv=None):
         if path is None:
             sys.exit(f"error: no complete checkpoint in {a.checkpoint}")
     try:
-        sd = checkpoint.consolidate(path)
+        sd = consolidate(path)
         meta, _, _ = checkpoint.read(path)
     except checkpoint.CheckpointError as e:
         sys.exit(f"error: {e}")

@@ -34,8 +34,8 @@ from contextlib import contextmanager
 from scripts.runs import ROOT
 
 WARMUP = 3
-OWN = ("0", "bucket.py", "checkpoint.py", "comm_meter.py", "common.py", "lifecycle.py", "measure.py",
-       "memory_ledger.py", "model.py", "optimizers.py")  # the project's files, by name
+OWN = ("0", "bucket.py", "checkpoint.py", "comm_meter.py", "common.py", "ddp.py", "lifecycle.py", "measure.py",
+       "memory_ledger.py", "model.py", "optimizers.py", "reshard.py")  # the project's files, by name
 
 
 def load(name):

@@ -1,0 +1,130 @@
+"""Resharding, the arithmetic that makes a checkpoint's world size not matter (checkpoint.py
+writes and reads the files). A rank's state is a list of FlatShards: ranges of the model's
+parameters laid back to back, flat. A checkpoint holds, per parameter and kind, pieces [lo, hi)
+that together cover it exactly once; `stage` builds from them the values any layout gives this
+rank (its shard under N' ranks, or the whole parameter), without touching a live tensor.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used: raised on every rank, before anything is loaded."""
+
+
+@dataclass
+class FlatShard:
+    """What one rank holds of one flat buffer (04-06), or of one whole parameter (01-03).
+
+    params   [(name, numel)]: the parameters packed back to back from flat offset 0 (padding after)
+    tensors  {"param": (start, t), "master": (start, t)}: this rank's tensors, t holding flat
+             elements start .. start + t.numel(); "master" is the tensor `optim` updates
+    owned    (lo, hi): the flat range this rank writes (another rank writes the rest)
+    optim    the torch.optim optimizer whose state for the master tensor holds the moments
+    """
+    params: list
+    tensors: dict
+    owned: tuple
+    optim: torch.optim.Optimizer = None
+
+
+def flat_buffer_shards(names, params, flat_param, pieces, optim):
+    """What 04 and 05 hold of one flat buffer: the whole buffer (every rank holds and loads it
+    whole; none writes it) and, per piece of my shard (optimizers.shard_pieces), that part of it,
+    its fp32 master and `optim`'s state for it, which I write and load."""
+    layout = [(names[p], p.numel()) for p in params]
+    return [FlatShard(layout, {"param": (0, flat_param)}, owned=(0, 0))] + [
+        FlatShard([(names[p], p.numel())], {"param": (lo, flat_param[offset + lo:offset + hi]), "master": (lo, piece)},
+                  owned=(lo, hi), optim=optim)
+        for p, offset, lo, hi, piece in pieces]
+
+
+def parts(params, a, b):
+    """(name, lo, hi, flat) for each parameter's part of flat range [a, b): its elements lo..hi,
+    which sit at flat offset `flat`. Padding belongs to no parameter."""
+    offset = 0
+    for name, numel in params:
+        lo, hi = max(a - offset, 0), min(b - offset, numel)
+        if lo < hi:
+            yield name, lo, hi, offset + lo
+        offset += numel
+
+
+def shards(module, holder):
+    """What holder(names) says this rank holds, and every parameter it leaves out."""
+    names = {p: n for n, p in module.named_parameters()}  # a tied weight: its first name
+    out = holder(names)
+    packed = {n for s in out for n, _ in s.params}
+    for p, n in names.items():  # parameters the strategy replicates and no optimizer updates
+        if n not in packed:      # (frozen ones in 04, 05): rank 0 writes them, every rank loads
+            out.append(FlatShard([(n, p.numel())], {"param": (0, p)}, (0, p.numel() * (dist.get_rank() == 0))))
+    return out
+
+
+def master_of(shard):
+    """(start, master, separate): the tensor the optimizer updates, and whether it is a copy of
+    the parameters (bf16) or the parameters themselves (fp32). None without an optimizer."""
+    if "master" not in shard.tensors:
+        return None
+    (start, master), param = shard.tensors["master"], shard.tensors["param"][1]
+    return start, master, master.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+
+
+def check_cover(path, index, steps, shapes):
+    """Refuse pieces {(name, kind): [(lo, hi, data)]} that do not cover each parameter of
+    `shapes` exactly once, or one parameter's pieces at different optimizer steps."""
+    numel = {n: torch.Size(shape).numel() for n, shape in shapes.items()}
+    for (name, kind), ranges in index.items():  # exactly once: the ranges tile 0 .. numel
+        ranges.sort(key=lambda r: r[0])
+        ends = [0] + [hi for _, hi, _ in ranges]
+        if [lo for lo, _, _ in ranges] != ends[:-1] or ends[-1] != numel.get(name):
+            raise CheckpointError(f"{path}: {name} ({kind}) is not covered exactly once by the rank files")
+    for name in numel:
+        if (name, "param") not in index:
+            raise CheckpointError(f"{path}: no rank file holds {name}")
+    for name, counts in steps.items():
+        if any(c.item() != counts[0].item() for c in counts):
+            raise CheckpointError(f"{path}: {name} has pieces at different optimizer steps")
+
+
+def gather(index, name, kind, lo, hi):
+    """Elements lo..hi of one parameter's state, from the pieces that hold them."""
+    return torch.cat([d[max(lo, a) - a:min(hi, b) - a] for a, b, d in index[name, kind] if a < hi and b > lo])
+
+
+def _fill(t, start, params, index, kind_of):
+    """A new tensor like t (flat elements start ..), filled from the checkpoint; padding zero."""
+    new = torch.zeros(t.numel(), dtype=t.dtype, device=t.device)
+    for name, lo, hi, at in parts(params, start, start + t.numel()):
+        if (name, kind_of(name)) not in index:
+            raise CheckpointError(f"the checkpoint has no {kind_of(name)} for {name}")
+        new[at - start:at - start + hi - lo] = gather(index, name, kind_of(name), lo, hi)
+    return new.view_as(t)
+
+
+def stage(shards, index, steps):
+    """Every value this rank will hold under the new layout, built without touching a live
+    tensor: [(live tensor, new value)] and [(optimizer, master, new state or None)]."""
+    copies, states = [], []
+    for s in shards:
+        start, param = s.tensors["param"]
+        copies.append((param, _fill(param, start, s.params, index, lambda n: "param")))
+        if master_of(s) is None:
+            continue
+        start, master, separate = master_of(s)
+        if separate:  # bf16: the fp32 masters (in fp32 the master IS the parameter, filled above)
+            copies.append((master, _fill(master, start, s.params, index,
+                                         lambda n: "master" if (n, "master") in index else "param")))
+        names = [n for n, *_ in parts(s.params, start, start + master.numel())]
+        kinds = sorted({k for (n, k) in index if n in names or not names} - {"param", "master"})
+        if not kinds:  # never stepped: 01-03's parameter that has had no gradient yet
+            states.append((s.optim, master, None))
+            continue
+        # AdamW counts steps per tensor (a shard of padding only takes any parameter's count)
+        state = {"step": ([steps[n] for n in names if n in steps] or list(steps.values()))[0].clone()}
+        for kind in kinds:  # exp_avg, exp_avg_sq: created here as torch creates them, lazily
+            state[kind] = _fill(master, start, s.params, index, lambda n: kind)
+        states.append((s.optim, master, state))
+    return copies, states
