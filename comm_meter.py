@@ -9,6 +9,7 @@ import json
 import time
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 
 from theory import RING_FACTOR
@@ -42,15 +43,27 @@ class CommMeter:
         # `blocked` holds the intervals the calling thread spent inside a blocking collective or
         # a wait(): communication it did not hide behind compute.
         self.spans, self.blocked, self.window = [], [], None
+        self.phases = []  # [phase, start, end]: each loss.backward() and optimizer.step() (see timed)
 
     def _record(self, kind, tensor):
         entry = self.ops.setdefault(kind, {"calls": 0, "bytes": 0})
         entry["calls"] += 1
         entry["bytes"] += tensor.numel() * tensor.element_size()
 
+    def timed(self, phase, fn):
+        """fn, recording [phase, start, end] of each call: the timeline's phases (`measuring` times
+        loss.backward() with it, measure.Run optimizer.step())."""
+        def timed_fn(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.phases.append([phase, t0, time.perf_counter()])
+            return out
+        return timed_fn
+
     @contextmanager
     def measuring(self):
-        originals = {}
+        originals, backward = {}, torch.Tensor.backward
+        torch.Tensor.backward = self.timed("backward", backward)
 
         def wrap(name, kind, arg):
             fn = getattr(dist, name)
@@ -86,6 +99,7 @@ class CommMeter:
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+            torch.Tensor.backward = backward
             self.window = (start, time.perf_counter())
         if written is not None:  # the step is over, so every collective it issued has completed
             self.wire_bytes = bytes_written() - written
@@ -108,12 +122,17 @@ class CommMeter:
                 "hidden_share": 1 - exposed / comm if comm > 0 else 0.0}
 
     def timeline(self):
-        """Spans in ms from the start of the measured step, for the chart: [kind, start, end]."""
+        """Spans in ms from the start of the measured step, for the chart: [kind, start, end]; the
+        phases, with forward = from the step's start, or the last backward's end, to a backward."""
         if self.window is None or not self.cpu_timed:
             return None
         start, end = self.window
         ms = lambda t: (min(t, end) - start) * 1e3
-        return {"step_ms": ms(end),
+        phases, last = [], 0.0
+        for name, a, b in self.phases:  # backward and optimizer never nest: in order of time
+            phases += [["forward", last, ms(a)]] * (name == "backward") + [[name, ms(a), ms(b)]]
+            last = ms(b)
+        return {"step_ms": ms(end), "phases": phases,
                 "comm": [[k, ms(a), ms(end if b is None else b)] for k, a, b in self.spans if a < end],
                 "blocked": [[ms(a), ms(b)] for a, b in self.blocked if a < end]}
 
@@ -184,32 +203,41 @@ def _unmetered(name):
 
 
 def plot_timeline(timelines, strategy, path):
-    """The measured step per rank: communication spans (issue to completion), the intervals the
-    main thread was blocked on them, and compute = the rest of the main thread's time."""
+    """The measured step per rank: its phases shaded (backward = inside loss.backward(); optimizer =
+    inside optimizer.step()); the main thread, computing or blocked; each collective from issue to
+    completion, one lane down if issued while another was still in flight."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    colors = {"all_reduce": "tab:blue", "reduce_scatter": "tab:orange", "all_gather": "tab:green",
-              "broadcast": "tab:purple"}
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 1.1 * len(timelines)))
-    labelled = set()
-
-    def bar(y, a, b, h, color, label):
-        ax.broken_barh([(a, max(b - a, 1e-3))], (y, h), facecolors=color, alpha=0.6 if "comm" in label else 1,
-                       label=None if label in labelled else label)
-        labelled.add(label)
-
+    from matplotlib.patches import Patch
+    colours = {"all_reduce": "#4C72B0", "reduce_scatter": "#DD8452", "all_gather": "#55A868", "broadcast": "#8172B3"}
+    phases = {"forward": "#DCE9F5", "backward": "#FBE3D2", "optimizer": "#DDEFDD"}
+    fig, ax = plt.subplots(layout="constrained")
+    y, ticks = 0.0, []
     for rank, tl in enumerate(timelines):
-        y = rank * 1.1
-        bar(y + 0.55, 0, tl["step_ms"], 0.4, "lightgray", "main thread: compute")
-        for a, b in tl["blocked"]:
-            bar(y + 0.55, a, b, 0.4, "tab:red", "main thread: blocked in collective / wait()")
+        ends = []  # per lane, when its last collective completes (spans come in issue order)
         for kind, a, b in tl["comm"]:
-            bar(y + 0.05, a, b, 0.4, colors.get(kind, "tab:gray"), f"comm in flight: {kind}")
-    ax.set_yticks([r * 1.1 + 0.5 for r in range(len(timelines))], [f"rank {r}" for r in range(len(timelines))])
-    ax.set_xlabel("time since the measured step began (ms)")
-    ax.set_title(f"{strategy}: compute vs communication over the measured step")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
-    fig.tight_layout()
+            lane = next((i for i, e in enumerate(ends) if e <= a), len(ends))
+            ends[lane:lane + 1] = [b]
+            ax.broken_barh([(a, max(b - a, 1e-3))], (y + 0.95 + 0.45 * lane, 0.38), linewidth=0.6,
+                           facecolors=colours.get(kind, "tab:gray"), edgecolor="black")
+        h = 1.0 + 0.45 * len(ends)
+        for name, a, b in tl.get("phases", []):
+            ax.broken_barh([(a, b - a)], (y, h), facecolors=phases[name], zorder=0)
+            if b - a > 0.06 * tl["step_ms"]:
+                ax.text((a + b) / 2, y + 0.17, name, ha="center", va="center", fontsize=8, color="dimgray")
+        ax.broken_barh([(0, tl["step_ms"])], (y + 0.35, 0.5), facecolors="lightgray")
+        ax.broken_barh([(a, b - a) for a, b in tl["blocked"]], (y + 0.35, 0.5), facecolors="tab:red")
+        ticks += [(y + 0.6, f"rank {rank}: main thread"), (y + h / 2 + 0.45, "collectives" * bool(ends))]
+        y += h + 0.3
+    ax.set_yticks(*zip(*ticks), fontsize=8)
+    ax.set_ylim(y - 0.3, -0.05)  # rank 0 on top
+    kinds = {k for tl in timelines for k, *_ in tl["comm"]}
+    handles = [Patch(facecolor=c, label=f"phase: {p}") for p, c in phases.items()] + [Patch(
+        facecolor=c, label=f"main thread: {p}") for p, c in (("compute", "lightgray"), ("blocked on comm", "tab:red"))]
+    fig.legend(handles=handles + [Patch(facecolor=c, edgecolor="black", label=f"{k}: issue to completion")
+                                  for k, c in colours.items() if k in kinds], loc="outside lower center", ncol=3, fontsize=8)
+    ax.set(xlabel="time since the measured step began (ms)", title=f"{strategy}: one step per rank, phases and collectives")
+    fig.set_size_inches(11, 1.8 + 0.8 * y)
     fig.savefig(path, dpi=120)
     plt.close(fig)

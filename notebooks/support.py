@@ -4,6 +4,7 @@ Not part of any lesson. The notebooks call
     sweeps()            every lesson at every world size, in one torchrun launch (scripts/perf/sweep.py)
     bandwidth(world)    all-reduce / reduce-scatter / all-gather by message size, gloo's and lesson
                         00's ring (scripts/perf/bandwidth.py --ring)
+    zero3_timelines(world)  ZeRO-3's parameter bytes over a step, with and without prefetch
     style(), save(fig, name)
 
 Environment (set by `make figures` through scripts/perf/figures.py, and by tests/test_notebooks.py):
@@ -59,9 +60,7 @@ def _code_hash(extra):
     """Everything a sweep's result depends on: its arguments and the code that produced it."""
     import torch
     h = hashlib.sha256(json.dumps([extra, torch.__version__]).encode())
-    files = [f"{n}.py" for n in LESSONS] + ["bucket.py", "checkpoint.py", "comm_meter.py", "common.py", "lifecycle.py",
-                                             "measure.py", "memory_ledger.py", "model.py", "optimizers.py",
-                                             "theory.py", "scripts/perf/sweep.py"]
+    files = sorted(n for n in os.listdir(ROOT) if n.endswith(".py")) + ["scripts/perf/sweep.py"]  # every module
     for name in files:
         path = os.path.join(ROOT, name)
         if os.path.exists(path):
@@ -82,13 +81,25 @@ def sweeps(worlds=None, flags=FLAGS):
     extra = [r for r in TIMELINE if r not in lessons] if TIMELINE_WORLD in worlds else []
     # per-operation sampling of parameter bytes (~2 ms an operation) only where it is plotted
     track = [r for r in lessons + extra if r.startswith("06_zero3")]
-    key = _code_hash([worlds, lessons, extra, track, flags])
-    path = os.path.join(CACHE, f"sweep_{key}.json")
+    argv = [*flags, "--worlds", *map(str, worlds), "--lessons", *lessons, "--track-peak", *track]
+    if extra:
+        argv += ["--at", str(TIMELINE_WORLD), *extra]
+    return _sweep(max(worlds), argv)
+
+
+def zero3_timelines(world=TIMELINE_WORLD):
+    """{run: report} for the ZeRO-3 timeline runs (TIMELINE) at `world` ranks: sweeps()' own at
+    TIMELINE_WORLD, else one launch of just those two runs (about 20 s at 2-8 ranks, cached)."""
+    if world == TIMELINE_WORLD:
+        return {name: sweeps()[world][name] for name in TIMELINE}
+    return _sweep(world, [*FLAGS, "--lessons", *TIMELINE, "--track-peak", *TIMELINE])[world]
+
+
+def _sweep(nproc, argv):
+    """scripts/perf/sweep.py on `nproc` ranks, kept in CACHE under a hash of argv and the code."""
+    path = os.path.join(CACHE, f"sweep_{_code_hash([nproc, argv])}.json")
     if not os.path.exists(path):
-        argv = [*flags, "--worlds", *map(str, worlds), "--lessons", *lessons, "--track-peak", *track]
-        if extra:
-            argv += ["--at", str(TIMELINE_WORLD), *extra]
-        result = launch("scripts.perf.sweep", max(worlds), argv)  # torchrun ... sweep.py --report ...
+        result = launch("scripts.perf.sweep", nproc, argv)  # torchrun ... sweep.py --report ...
         os.makedirs(CACHE, exist_ok=True)
         with open(path + ".tmp", "w") as f:
             json.dump(result, f)
@@ -128,3 +139,10 @@ def held(mem):
     return {"params": mem["params"], "grads": mem["grads"],
             "moments": mem["optimizer"] - mem["master_weights"],
             "master_weights": mem["master_weights"], "other": mem.get("other", 0)}
+
+
+def theory_split(report):
+    """A report's ZeRO formula for its stage, world size and precision, as held()'s categories."""
+    t = report["memory"]["theory"]
+    return {"params": t["params"], "grads": t["grads"], "moments": t["optimizer"] - t["master_weights"],
+            "master_weights": t["master_weights"], "other": 0}
