@@ -1,18 +1,12 @@
-"""Checkpoints that survive a crash and a change of world size, for every lesson.
+"""Checkpoints that survive a crash and a change of world size, for every lesson (docs/checkpoints.md).
 
-Each rank writes the state it owns as ranges [lo, hi) of ONE parameter's flat values, of one kind:
-"param" (in its working dtype), "master" (bf16's separate fp32 master weights), or the optimizer's
-per-element state ("exp_avg", "exp_avg_sq", with AdamW's step count). Loading opens every rank's
-file (memory-mapped), checks that each parameter's ranges cover it exactly once, and fills whatever
-the NEW layout gives this rank (reshard.py): resuming at another world size is the same code as at
-the same one. A strategy says what it holds with `checkpoint_shards(names) -> [FlatShard, ...]`
-(01-03: optimizers.checkpoint_shards; 04-06: their own, at the end of the lesson).
-On disk, DIR/step_000040/ (DIR: one directory every rank sees, on several nodes a shared one):
-    rank{r}.pt   rank r's ranges and RNG state        (torch.save; read with weights_only=True)
-    meta.json    rank 0: config, step, world size, layout (who wrote which range), parameters
-    COMPLETE     rank 0, after every rank's file is in place: no marker, no checkpoint
-Every file is written to a temporary name and renamed (atomic on POSIX), so a crash during a save
-leaves the previous complete checkpoint untouched. (scripts/learn/consolidate.py: one state_dict.)
+Each rank writes what it owns as ranges [lo, hi) of ONE parameter's flat values, of one kind: "param"
+(its working dtype), "master" (bf16's fp32 master weights) or AdamW's "exp_avg", "exp_avg_sq" (with
+its step count). Loading checks that every parameter is covered exactly once and fills whatever the
+NEW layout gives this rank (reshard.py): another world size is the same code as the same one. A
+strategy says what it holds with `checkpoint_shards(names) -> [FlatShard, ...]`. DIR/step_000040/
+holds rank{r}.pt, meta.json (rank 0: config, step, layout) and COMPLETE (rank 0, after every file);
+each file is written to a temporary name and renamed, so a crash leaves the last checkpoint whole.
 """
 import glob
 import json

@@ -2,7 +2,7 @@
 collectives while a chosen step runs and counts each call and its payload (the lessons call
 `dist.all_reduce(...)` as usual and never report their own traffic); what the process wrote on
 the wire (bytes_written); the overlap of communication and compute, from the CPU clock on gloo
-or from a GPU trace (gpu_overlap); and the step's timeline figure (plot_timeline).
+or from a GPU trace (gpu_overlap). (The step's timeline figure: scripts/perf/timelines.py.)
 """
 import inspect
 import json
@@ -121,21 +121,6 @@ class CommMeter:
         return {"comm_ms": comm * 1e3, "exposed_ms": exposed * 1e3,
                 "hidden_share": 1 - exposed / comm if comm > 0 else 0.0}
 
-    def timeline(self):
-        """Spans in ms from the start of the measured step, for the chart: [kind, start, end]; the
-        phases, with forward = from the step's start, or the last backward's end, to a backward."""
-        if self.window is None or not self.cpu_timed:
-            return None
-        start, end = self.window
-        ms = lambda t: (min(t, end) - start) * 1e3
-        phases, last = [], 0.0
-        for name, a, b in self.phases:  # backward and optimizer never nest: in order of time
-            phases += [["forward", last, ms(a)]] * (name == "backward") + [[name, ms(a), ms(b)]]
-            last = ms(b)
-        return {"step_ms": ms(end), "phases": phases,
-                "comm": [[k, ms(a), ms(end if b is None else b)] for k, a, b in self.spans if a < end],
-                "blocked": [[ms(a), ms(b)] for a, b in self.blocked if a < end]}
-
 
 def gpu_overlap(trace_path):
     """Overlap on a GPU, from a torch.profiler trace of the measured step: comm = the time NCCL
@@ -200,44 +185,3 @@ def _unmetered(name):
     def refuse(*args, **kwargs):
         raise RuntimeError(f"dist.{name} is not metered; add it to comm_meter._COLLECTIVES")
     return refuse
-
-
-def plot_timeline(timelines, strategy, path):
-    """The measured step per rank: its phases shaded (backward = inside loss.backward(); optimizer =
-    inside optimizer.step()); the main thread, computing or blocked; each collective from issue to
-    completion, one lane down if issued while another was still in flight."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-    colours = {"all_reduce": "#4C72B0", "reduce_scatter": "#DD8452", "all_gather": "#55A868", "broadcast": "#8172B3"}
-    phases = {"forward": "#DCE9F5", "backward": "#FBE3D2", "optimizer": "#DDEFDD"}
-    fig, ax = plt.subplots(layout="constrained")
-    y, ticks = 0.0, []
-    for rank, tl in enumerate(timelines):
-        ends = []  # per lane, when its last collective completes (spans come in issue order)
-        for kind, a, b in tl["comm"]:
-            lane = next((i for i, e in enumerate(ends) if e <= a), len(ends))
-            ends[lane:lane + 1] = [b]
-            ax.broken_barh([(a, max(b - a, 1e-3))], (y + 0.95 + 0.45 * lane, 0.38), linewidth=0.6,
-                           facecolors=colours.get(kind, "tab:gray"), edgecolor="black")
-        h = 1.0 + 0.45 * len(ends)
-        for name, a, b in tl.get("phases", []):
-            ax.broken_barh([(a, b - a)], (y, h), facecolors=phases[name], zorder=0)
-            if b - a > 0.06 * tl["step_ms"]:
-                ax.text((a + b) / 2, y + 0.17, name, ha="center", va="center", fontsize=8, color="dimgray")
-        ax.broken_barh([(0, tl["step_ms"])], (y + 0.35, 0.5), facecolors="lightgray")
-        ax.broken_barh([(a, b - a) for a, b in tl["blocked"]], (y + 0.35, 0.5), facecolors="tab:red")
-        ticks += [(y + 0.6, f"rank {rank}: main thread"), (y + h / 2 + 0.45, "collectives" * bool(ends))]
-        y += h + 0.3
-    ax.set_yticks(*zip(*ticks), fontsize=8)
-    ax.set_ylim(y - 0.3, -0.05)  # rank 0 on top
-    kinds = {k for tl in timelines for k, *_ in tl["comm"]}
-    handles = [Patch(facecolor=c, label=f"phase: {p}") for p, c in phases.items()] + [Patch(
-        facecolor=c, label=f"main thread: {p}") for p, c in (("compute", "lightgray"), ("blocked on comm", "tab:red"))]
-    fig.legend(handles=handles + [Patch(facecolor=c, edgecolor="black", label=f"{k}: issue to completion")
-                                  for k, c in colours.items() if k in kinds], loc="outside lower center", ncol=3, fontsize=8)
-    ax.set(xlabel="time since the measured step began (ms)", title=f"{strategy}: one step per rank, phases and collectives")
-    fig.set_size_inches(11, 1.8 + 0.8 * y)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -104,11 +104,6 @@ def parse_args(argv=None, description=""):
 
 
 # ----------------------------------------------------------------------------- processes
-def local_ranks():
-    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, 1 for a plain `python` run."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 def choose_device(requested, ranks_here, gpus):
     """The device type for `--device requested` with `ranks_here` ranks on this node and `gpus`
     CUDA GPUs visible: ("cuda" or "cpu", why auto chose the CPU or None). NCCL wants one GPU per
@@ -142,20 +137,18 @@ class Dist:
 
 
 def init_distributed(args) -> Dist:
-    """Join the process group: torchrun's environment if present, else a group of one.
-
-    gloo on CPU, nccl on CUDA (one GPU per rank, cuda:LOCAL_RANK); `--device auto` takes CUDA
-    only when every rank on this node has a GPU of its own (choose_device). In a group that
-    already exists (a test harness, scripts/sweep.py) the device follows its backend. The timeout
-    makes a lost rank fail the others instead of hanging them. Sets args.device to what it chose.
-    """
+    """Join the process group: torchrun's environment if present, else a group of one. gloo on
+    CPU, nccl on CUDA (cuda:LOCAL_RANK; choose_device); in a group that already exists (a test
+    harness, scripts/sweep.py) the device follows its backend. The timeout makes a lost rank fail
+    the others instead of hanging them. Sets args.device to what it chose."""
     timeout = timedelta(seconds=args.timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if dist.is_initialized():
         kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
     else:
         try:
-            kind, why = choose_device(args.device, local_ranks(), torch.cuda.device_count())
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's; 1 for plain `python`
+            kind, why = choose_device(args.device, ranks_here, torch.cuda.device_count())
         except ValueError as e:
             fail(str(e))
         if why and int(os.environ.get("RANK", "0")) == 0:
@@ -189,12 +182,10 @@ def working_dtype(args):
 
 
 def build_model(args, env: Dist) -> GPT:
-    """The GPT on this rank's device, in the working precision, identical on every rank.
-
-    bf16 follows FSDP2's convention: the model is initialised in fp32, and those fp32 weights
-    stay on each parameter (`p.fp32_init`) until an optimizer makes its master weights from
-    them (master_weights): a bf16 run starts where the fp32 run starts, and the bf16 working
-    copy is the fp32 weights rounded."""
+    """The GPT on this rank's device, in the working precision, identical on every rank. bf16
+    as FSDP2: initialised in fp32, those weights stay on each parameter (`p.fp32_init`) until an
+    optimizer makes its master weights from them (optimizers.master_weights), so a bf16 run
+    starts where the fp32 run starts and its working copy is the fp32 weights rounded."""
     model = GPT(model_config(args), seed=args.seed).to(env.device)
     if working_dtype(args) != torch.float32:
         for p in model.parameters():

@@ -11,12 +11,9 @@ import torch.nn as nn
 
 
 class Replicated(nn.Module):
-    """What 01-03 share with `DistributedDataParallel`'s interface, so a loop written for DDP
-    runs them unchanged: `.module`, rank 0's weights broadcast when built, calling it runs the
-    module, `require_backward_grad_sync` and `no_sync()` (gradient accumulation), and
-    at_end_of_backward(fn) to run `fn` once the backward in progress is over, inside
-    `loss.backward()`: the autograd engine's callback queue, which DDP's reducer uses to finish
-    its all-reduces. Not in a no_sync() backward."""
+    """DistributedDataParallel's interface: `.module`, rank 0's weights broadcast when built,
+    calling it runs the module, `require_backward_grad_sync` and `no_sync()` (gradient
+    accumulation), and at_end_of_backward(fn) (below), skipped in a no_sync() backward."""
 
     def __init__(self, module):
         super().__init__()

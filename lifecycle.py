@@ -1,11 +1,8 @@
 """A lesson's process under torchrun: a clean exit, one line per failure, a lost rank named.
 
-What no lesson is about, kept out of their way: run_main(main) runs a lesson's main() and
-turns an expected failure (a bad flag, a lost peer, a timeout) into one line per rank and a
-non-zero exit, never a traceback or a hang; exit_process() leaves without the interpreter
-teardown that sometimes aborts gloo; the heartbeat (started by common.init_distributed) lets a
-failing rank say which peer is gone, and on NCCL, where a collective waiting for a dead peer
-blocks in CUDA, lets every rank notice and stop by itself.
+run_main(main) turns an expected failure (a bad flag, a lost peer, a timeout) into one line per
+rank and a non-zero exit, never a traceback or a hang; exit_process() leaves without the
+interpreter teardown that sometimes aborts gloo; the heartbeat names the peer that is gone.
 """
 import os
 import signal
@@ -88,9 +85,8 @@ _failure = threading.Lock()  # held by the one thread that reports this rank's f
 
 
 def _claim_failure():
-    """True for the first caller only: one line per rank, whichever thread sees the failure first
-    (a later one, a SIGTERM during the report included, returns False and leaves the exit to the
-    first)."""
+    """True for the first caller only: one line per rank, from whichever thread sees the failure
+    first (a later one, a SIGTERM during the report included, leaves the exit to it)."""
     return _failure.acquire(blocking=False)
 
 
@@ -113,12 +109,9 @@ def lost_ranks(stopping=False):
 
 
 def exit_process(code=0):
-    """Leave without running interpreter teardown.
-
-    On CPU with gloo about 4% of runs abort at interpreter exit ("terminate called without an
-    active exception") after training finished; ending with os._exit after flushing avoids it.
-    After a failure the group is not destroyed (that waits for peers, and one may be dead).
-    """
+    """Leave without interpreter teardown: on CPU with gloo about 4% of runs abort in it ("terminate
+    called without an active exception") after training finished; os._exit after flushing does not.
+    After a failure the group is not destroyed (that waits for peers, and one may be dead)."""
     if dist.is_initialized() and code == 0:
         try:
             if dist.get_world_size() > 1:
@@ -173,7 +166,6 @@ def run_main(main):
             while True:
                 time.sleep(1)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        rank = os.environ.get("RANK", "0")
         collective = isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError)
         if collective and dist.is_initialized() and dist.get_world_size() > 1:
             lost = lost_ranks()  # a failed collective: say which peer is gone, if one is
@@ -181,6 +173,6 @@ def run_main(main):
                 first = f"lost rank 0 (its rendezvous store is unreachable); {first}"
             elif lost:
                 first = f"lost rank {', '.join(map(str, lost))} (no heartbeat for {3 * HEARTBEAT_S:.0f} s); {first}"
-        say(f"error (rank {rank}): {type(e).__name__}: {first} (DP_DEBUG=1 shows the traceback)")
+        say(f"error (rank {os.environ.get('RANK', '0')}): {type(e).__name__}: {first} (DP_DEBUG=1 shows the traceback)")
         exit_process(1)
     exit_process(0)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import common
-from comm_meter import CommMeter, gpu_overlap, plot_timeline
+from comm_meter import CommMeter, gpu_overlap
 from memory_ledger import MemoryLedger, _PeakParams, max_rss
 from theory import theory_memory, theory_ring_bytes
 
@@ -21,12 +21,6 @@ from theory import theory_memory, theory_ring_bytes
 class Run:
     """Per-step timing, rank-0 logging, measurement of one chosen step, summary and report."""
 
-    # Sampling the parameter bytes after every operation of the measured step (peak_params and
-    # its timeline) costs about 2 ms per operation, seconds for 01-03's step. A caller that needs
-    # neither (scripts/sweep.py, for the lessons whose peak it does not plot) may turn it off:
-    # peak_params and the timeline are then None; everything else is measured as before.
-    track_peak_params = True
-
     def __init__(self, args, env, strategy, model, optimizer, holders=()):
         self.args, self.env, self.strategy = args, env, strategy
         self.model, self.optimizer = model, optimizer
@@ -34,9 +28,8 @@ class Run:
         self.ledger = MemoryLedger(model, [*holders, optimizer])
         self.cuda = env.device.type == "cuda"
         self.comm = CommMeter(env.world_size, cpu_timed=env.backend == "gloo" and not self.cuda)
-        self.gpu_overlap = self.cuda_step_peak = None
+        self.gpu_overlap = self.cuda_step_peak = self.peak_params = self.params_timeline = None
         self.losses, self.step_times, self.memory = [], [], None
-        self.peak_params = None
         # A resumed run (--resume) starts at the checkpoint's step: it then measures the first
         # step at or after --measure-step that it runs, and its losses start at resumed_from.
         self.resumed_from, self.measure_step = None, args.measure_step
@@ -106,7 +99,9 @@ class Run:
 
         self.optimizer.step = step_with_sample
         probe = _PeakParams(self.ledger)
-        track = self.track_peak_params and getattr(self.args, "peak_params", 1)
+        # --peak-params 0: sampling after every operation costs about 2 ms each, seconds for
+        # 01-03's step; peak_params and its timeline are then None, the rest measured as before
+        track = getattr(self.args, "peak_params", 1)
         try:
             with probe if track else nullcontext():
                 if track:
@@ -128,9 +123,12 @@ class Run:
         measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params},
                     "ops": self.comm.ops, "ring_bytes": self.comm.ring_bytes(),
                     "wire_bytes": self.comm.wire_bytes, "overlap": self.comm.overlap() or self.gpu_overlap,
-                    "timeline": self.comm.timeline() if getattr(self.args, "trace", None) else None}
+                    "timeline": None}
+        if getattr(self.args, "trace", None):  # the chart's layout and drawing: the timelines tool
+            from scripts.perf.timelines import plot_timeline, timeline
+            measured["timeline"] = timeline(self.comm)
         if self.env.master:  # rank 0's parameter bytes over the measured step
-            measured["params_timeline"] = getattr(self, "params_timeline", None)
+            measured["params_timeline"] = self.params_timeline
         if self.cuda:  # what the caching allocator handed out: over the run, and in the measured step
             measured["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
             measured["memory"]["cuda_step_peak"] = self.cuda_step_peak

@@ -30,14 +30,9 @@ class MemoryLedger:
 
     def tensors(self):
         """Yield (category, tensor) for everything held; params first so views dedup to them."""
-        found = []
-        self._updated = []  # the tensors every optimizer found updates (its param_groups)
-        for p in self.model.parameters():
-            found.append(("params", p))
-        for p in self.model.parameters():
-            if p.grad is not None:
-                found.append(("grads", p.grad))
-        seen = set()
+        params = list(self.model.parameters())
+        found = [("params", p) for p in params] + [("grads", p.grad) for p in params if p.grad is not None]
+        self._updated, seen = [], set()  # _updated: the tensors every optimizer found updates
         for root in self.roots:
             self._walk(root, "other", found, seen, depth=0)
         return found
@@ -51,18 +46,13 @@ class MemoryLedger:
             if obj.grad is not None:
                 found.append(("grads", obj.grad))
         elif isinstance(obj, torch.optim.Optimizer):
-            self._updated += [p for group in obj.param_groups for p in group["params"]]
-            for group in obj.param_groups:
-                for p in group["params"]:
-                    self._walk(p, "optimizer", found, seen, depth + 1)
-            for state in obj.state.values():
-                for t in state.values():
-                    self._walk(t, "optimizer", found, seen, depth + 1)
-            for k, v in vars(obj).items():
-                if isinstance(v, torch.optim.Optimizer):  # a wrapped inner one (ZeroRedundancyOptimizer.optim)
-                    self._walk(v, "optimizer", found, seen, depth + 1)
-                elif k not in ("param_groups", "state", "defaults") and not k.startswith("_"):
-                    self._walk(v, _category(k, category), found, seen, depth + 1)  # 04/05's buffers
+            updated = [p for group in obj.param_groups for p in group["params"]]
+            self._updated += updated
+            for t in updated + [t for state in obj.state.values() for t in state.values()]:
+                self._walk(t, "optimizer", found, seen, depth + 1)
+            for k, v in vars(obj).items():  # 04/05's buffers; a wrapped optimizer (ZeroRedundancyOptimizer.optim)
+                if k not in ("param_groups", "state", "defaults") and not k.startswith("_"):
+                    self._walk(v, _category(k, category), found, seen, depth + 1)
         elif isinstance(obj, nn.Module):
             for t in list(obj.parameters()) + list(obj.buffers()):
                 self._walk(t, "params", found, seen, depth + 1)
@@ -80,30 +70,27 @@ class MemoryLedger:
                 self._walk(v, _category(k, category), found, seen, depth + 1)
 
     def measure(self):
-        totals = dict.fromkeys(CATEGORIES, 0)
-        counted = set()
-        tensors = self.tensors()
+        totals = {**dict.fromkeys(CATEGORIES, 0), "master_weights": 0}  # master_weights: in optimizer
+        tensors, counted = self.tensors(), set()
         updated = {_storage_key(t) for t in self._updated}
-        totals["master_weights"] = 0  # included in "optimizer"
         for category, t in tensors:
-            if type(t).__name__ == "DTensor":  # FSDP2's parameters: count the local shard
-                t = t.to_local()
-            if t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            key = (storage.data_ptr(), t.device)
-            if storage.nbytes() == 0 or key in counted:
+            key = _storage_key(t)
+            nbytes = 0 if key is None else _local(t).untyped_storage().nbytes()
+            if nbytes == 0 or key in counted:
                 continue
             counted.add(key)
-            totals[category] += storage.nbytes()
+            totals[category] += nbytes
             if category == "optimizer" and key in updated:
-                totals["master_weights"] += storage.nbytes()
+                totals["master_weights"] += nbytes
         return totals
 
 
+def _local(t):
+    return t.to_local() if type(t).__name__ == "DTensor" else t  # FSDP2's parameters: the local shard
+
+
 def _storage_key(t):
-    if type(t).__name__ == "DTensor":
-        t = t.to_local()
+    t = _local(t)
     return None if t.device.type == "meta" else (t.untyped_storage().data_ptr(), t.device)
 
 

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from reshard import FlatShard
+from reshard import FlatShard, parts
 
 
 # ----------------------------------------------------------------------------- sharded optimizers (04-06)
@@ -48,13 +48,8 @@ def shard_pieces(params, start, master):
     start + master.numel()), as [(p, offset, lo, hi, piece)], piece being their view in
     `master`. One tensor per parameter, as FSDP2's optimizer sees, so the caller's param groups
     (weight decay or not) and a parameter without a gradient (skipped) work as in one process."""
-    out, offset = [], 0
-    for p in params:
-        lo, hi = max(start - offset, 0), min(start + master.numel() - offset, p.numel())
-        if lo < hi:
-            out.append((p, offset, lo, hi, master[offset + lo - start:offset + hi - start]))
-        offset += p.numel()
-    return out
+    return [(p, at - lo, lo, hi, master[at - start:at - start + hi - lo])
+            for p, lo, hi, at in parts([(p, p.numel()) for p in params], start, start + master.numel())]
 
 
 def piece_groups(groups, pieces):

@@ -1,9 +1,9 @@
-"""The ZeRO paper's formulas, in one place: what each stage holds per rank and sends per step.
+"""The ZeRO paper's formulas the runs are held to: what each stage holds per rank, sends per step.
 
-Used by the report (measure.py prints each measurement beside its formula), the calculator
-(scripts/zero_calc.py), the notebooks and the tests. Rajbhandari et al. 2020, "ZeRO: Memory
-Optimizations Toward Training Trillion Parameter Models": section 3.1 (bytes per parameter),
-Figure 1 and Table 1 (model states per device), section 7 (communication volume).
+Used by the report (measure.py prints each measurement beside its formula), the notebooks and the
+tests; the Tables 1 and 2 calculator (any K) is scripts/learn/zero_calc.py. Rajbhandari et al.
+2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models": section 3.1 (bytes
+per parameter), Figure 1 and Table 1 (model states per device), section 7 (communication volume).
 """
 
 
@@ -55,27 +55,3 @@ def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1):
     elems = {"zero2": (k + 1) * psi, "zero3": 3 * k * psi, "torch_fsdp2": 3 * k * psi,
              "torch_fsdp2_noreshard": (k + 1) * psi, "torch_local": 0}.get(strategy, 2 * psi)
     return elems * (world - 1) / world * STATE_BYTES[precision]["params"]
-
-
-# ----------------------------------------------------------------------------- calculator
-# The ZeRO paper's Table 1 and Table 2 (scripts/zero_calc.py is the command line): model states
-# per device, mixed precision, 2 bytes of parameters + 2 of gradients + K of optimizer state.
-def model_state_bytes(stage, psi, world, k=12):
-    """Bytes per device at ZeRO `stage` (0 = plain DP, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p):
-    (2 + 2 + K) Psi, 4 Psi + K Psi / N, 2 Psi + (2 + K) Psi / N, (2 + 2 + K) Psi / N."""
-    return float(psi * _bytes_per_param(stage, world, k))
-
-
-def largest_model(memory_bytes, world, stage, k=12):
-    """The most parameters whose model states fit in `memory_bytes` per device at `stage` on
-    `world` devices (Table 2's "max theoretical model size"); exact, in rational arithmetic."""
-    from fractions import Fraction
-    return int(Fraction(memory_bytes) / _bytes_per_param(stage, world, k))
-
-
-def _bytes_per_param(stage, world, k):
-    from fractions import Fraction
-    if stage not in (0, 1, 2, 3) or world < 1:
-        raise ValueError(f"stage must be 0-3 and world at least 1, got stage {stage}, world {world}")
-    n, k = Fraction(world), Fraction(k)
-    return {0: 2 + 2 + k, 1: 2 + 2 + k / n, 2: 2 + (2 + k) / n, 3: (2 + 2 + k) / n}[stage]

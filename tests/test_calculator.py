@@ -1,4 +1,4 @@
-"""The model-state calculator (theory.model_state_bytes, theory.largest_model and the command
+"""The model-state calculator (zero_calc.model_state_bytes, zero_calc.largest_model and the command
 line scripts/learn/zero_calc.py) against the ZeRO paper's own tables, to their printed digits.
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
@@ -41,15 +41,15 @@ def test_table1_every_cell_to_its_printed_digits(psi):
     # every one of the 54 cells below matches exactly under its column's rule, none needs slack.
     rounding = ROUND_HALF_UP if psi == 7.5e9 else ROUND_DOWN
     for world, printed in TABLE1[psi].items():
-        assert as_printed(theory.model_state_bytes(0, psi, world) / 1e9, DP[psi], rounding)
+        assert as_printed(zero_calc.model_state_bytes(0, psi, world) / 1e9, DP[psi], rounding)
         for stage, cell in zip((1, 2, 3), printed):
-            got = theory.model_state_bytes(stage, psi, world) / 1e9
+            got = zero_calc.model_state_bytes(stage, psi, world) / 1e9
             assert as_printed(got, cell, rounding), (psi, world, stage, got, cell)
 
 
 def test_the_example_in_the_text():
     # Section 5: 7.5B parameters on 64 devices, 120 GB (DP), 31.4 (P_os), 16.6 (P_os+g), 1.88 (P_os+g+p)
-    got = [theory.model_state_bytes(s, 7.5e9, 64) / 1e9 for s in range(4)]
+    got = [zero_calc.model_state_bytes(s, 7.5e9, 64) / 1e9 for s in range(4)]
     assert got == [120.0, 31.40625, 16.640625, 1.875]  # exact: 16, 4 + 12/64, 2 + 14/64, 16/64 bytes
     assert [zero_calc.gb(x) for x in got] == ["120", "31.4", "16.6", "1.88"]
 
@@ -57,7 +57,7 @@ def test_the_example_in_the_text():
 def test_table2_largest_model_in_32gb():
     # Table 2, MP = 1, 64 GPUs of 32 GB: "max theoretical model size" 2B, 7.6B, 14.4B, 128B
     # (its rows with model parallelism are these numbers, as printed, times the MP degree)
-    got = [theory.largest_model(32e9, 64, s) / 1e9 for s in range(4)]
+    got = [zero_calc.largest_model(32e9, 64, s) / 1e9 for s in range(4)]
     assert [round(x, 1) for x in got] == [2.0, 7.6, 14.4, 128.0]
 
 
@@ -65,12 +65,12 @@ def test_table2_largest_model_in_32gb():
 @pytest.mark.parametrize("world", [1, 3, 8, 64, 1000])
 @pytest.mark.parametrize("memory", [32e9, 80 * 2 ** 30, 12_345_678_901])
 def test_largest_model_is_the_inverse(stage, world, memory):
-    psi = theory.largest_model(memory, world, stage)
+    psi = zero_calc.largest_model(memory, world, stage)
     # the largest whole number of parameters that fits: one more does not (exact arithmetic,
     # the paper's formulas written out again: 16, 4 + 12/N, 2 + 14/N, 16/N bytes per parameter)
     per_param = [Fraction(16), 4 + Fraction(12, world), 2 + Fraction(14, world), Fraction(16, world)][stage]
     assert psi * per_param <= memory < (psi + 1) * per_param
-    assert theory.model_state_bytes(stage, psi, world) <= memory
+    assert zero_calc.model_state_bytes(stage, psi, world) <= memory
 
 
 def test_stages_agree_with_the_lessons_theory():
@@ -79,13 +79,13 @@ def test_stages_agree_with_the_lessons_theory():
     for strategy, s in stage.items():
         for world in (1, 2, 4, 8):
             assert theory.theory_memory(strategy, 106_240, world, "bf16")["total"] == \
-                pytest.approx(theory.model_state_bytes(s, 106_240, world), rel=1e-12)
+                pytest.approx(zero_calc.model_state_bytes(s, 106_240, world), rel=1e-12)
 
 
 def test_k_is_a_parameter():
     # e.g. K = 16: Adam with fp32 master weights, moments and an fp32 gradient copy
-    assert theory.model_state_bytes(1, 1e9, 4, k=16) == 1e9 * (4 + 16 / 4)
-    assert theory.model_state_bytes(3, 1e9, 4, k=16) == 1e9 * 20 / 4
+    assert zero_calc.model_state_bytes(1, 1e9, 4, k=16) == 1e9 * (4 + 16 / 4)
+    assert zero_calc.model_state_bytes(3, 1e9, 4, k=16) == 1e9 * 20 / 4
 
 
 def test_command_line(capsys):

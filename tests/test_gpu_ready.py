@@ -17,6 +17,7 @@ import optimizers
 import comm_meter
 from graded import lesson_file, load_lesson
 from harness import ROOT, spawn
+from scripts.perf.timelines import timeline
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
@@ -135,7 +136,7 @@ def test_gpu_overlap_from_kernel_times(tmp_path):
 def test_a_meter_not_on_the_cpu_clock_reports_unavailable_not_a_number():
     meter = comm_meter.CommMeter(2, cpu_timed=False)  # what Run makes for NCCL
     meter.spans, meter.blocked, meter.window = [["all_reduce", 0.0, 1.0]], [[0.5, 1.0]], (0.0, 1.0)
-    assert meter.overlap() is None and meter.timeline() is None
+    assert meter.overlap() is None and timeline(meter) is None
     gloo = comm_meter.CommMeter(2)
     gloo.spans, gloo.blocked, gloo.window = meter.spans, meter.blocked, meter.window
     assert gloo.overlap()["hidden_share"] == pytest.approx(0.5)

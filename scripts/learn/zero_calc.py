@@ -15,8 +15,7 @@ import argparse
 import math
 import re
 from decimal import ROUND_HALF_UP, Decimal
-
-from theory import largest_model, model_state_bytes
+from fractions import Fraction
 
 STAGES = {0: "DP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
 _COUNT = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -24,6 +23,29 @@ _BYTES = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
 
 
+# ----------------------------------------------------------------------------- the formulas
+# The ZeRO paper's Table 1 and Table 2 (theory.py holds the ones the runs are held to): model
+# states per device, mixed precision, 2 bytes of parameters + 2 of gradients + K of optimizer state.
+def model_state_bytes(stage, psi, world, k=12):
+    """Bytes per device at ZeRO `stage` (0 = plain DP, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p):
+    (2 + 2 + K) Psi, 4 Psi + K Psi / N, 2 Psi + (2 + K) Psi / N, (2 + 2 + K) Psi / N."""
+    return float(psi * _bytes_per_param(stage, world, k))
+
+
+def largest_model(memory_bytes, world, stage, k=12):
+    """The most parameters whose model states fit in `memory_bytes` per device at `stage` on
+    `world` devices (Table 2's "max theoretical model size"); exact, in rational arithmetic."""
+    return int(Fraction(memory_bytes) / _bytes_per_param(stage, world, k))
+
+
+def _bytes_per_param(stage, world, k):
+    if stage not in (0, 1, 2, 3) or world < 1:
+        raise ValueError(f"stage must be 0-3 and world at least 1, got stage {stage}, world {world}")
+    n, k = Fraction(world), Fraction(k)
+    return {0: 2 + 2 + k, 1: 2 + 2 + k / n, 2: 2 + (2 + k) / n, 3: (2 + 2 + k) / n}[stage]
+
+
+# ----------------------------------------------------------------------------- the command line
 def parse_count(text):
     """'7.5B', '7.5e9', '1T', '350M' -> a number of parameters."""
     m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*", text, re.IGNORECASE)

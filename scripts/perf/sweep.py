@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 import common
 import lifecycle
-import measure
 from scripts.runs import available_lessons, load_lesson
 
 NO_PREFETCH = "06_zero3 --prefetch 0"
@@ -60,8 +59,8 @@ def run_lessons(runs, flags, track_peak):
     for name in runs:
         lesson, *extra = name.split()
         t0 = time.perf_counter()
-        measure.Run.track_peak_params = track_peak is None or name in track_peak
-        run = load_lesson(lesson).main([*flags, *extra])  # its own flags last: they win
+        untracked = [] if track_peak is None or name in track_peak else ["--peak-params", "0"]
+        run = load_lesson(lesson).main([*flags, *extra, *untracked])  # after the sweep's flags: they win
         out["reports"][name] = run.final_report  # None on ranks other than 0
         out["seconds"][name] = time.perf_counter() - t0
         del run  # the lesson's model, strategy and optimizer go before the next one is built

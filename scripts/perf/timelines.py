@@ -7,6 +7,8 @@ https://ui.perfetto.dev, and DIR/timeline.png) and reads the overlap the run mea
 (`comm.overlap` in its report: communication time from issue to completion, the part the main
 thread spent blocked waiting for it, and the share hidden behind computation). The charts for
 01, 03 (4 buckets), 06 and 06 without prefetch are copied to OUT/timeline_<run>.png.
+Every `--trace DIR` run lays its step out with timeline() and draws DIR/timeline.png with
+plot_timeline() (measure.Run imports them then: matplotlib is a tool's dependency, not a lesson's).
 """
 import argparse
 import os
@@ -27,6 +29,66 @@ RUNS = [  # (label, lesson, extra flags, chart name or None)
 # a few warm-up steps before the traced one; no per-op memory sampling, which would slow
 # compute and so inflate how much communication it seems to hide
 FLAGS = ["--steps", "6", "--measure-step", "4", "--log-every", "100", "--peak-params", "0"]
+
+
+def timeline(meter):
+    """A comm_meter.CommMeter's measured step, laid out for the chart in ms from its start: the
+    collectives [kind, start, end], the main thread's blocked intervals, and the phases, forward =
+    from the step's start, or the last backward's end, to a backward. None where the CPU clock
+    means nothing (NCCL) or nothing was measured."""
+    if meter.window is None or not meter.cpu_timed:
+        return None
+    start, end = meter.window
+    ms = lambda t: (min(t, end) - start) * 1e3
+    phases, last = [], 0.0
+    for name, a, b in meter.phases:  # backward and optimizer never nest: in order of time
+        phases += [["forward", last, ms(a)]] * (name == "backward") + [[name, ms(a), ms(b)]]
+        last = ms(b)
+    return {"step_ms": ms(end), "phases": phases,
+            "comm": [[k, ms(a), ms(end if b is None else b)] for k, a, b in meter.spans if a < end],
+            "blocked": [[ms(a), ms(b)] for a, b in meter.blocked if a < end]}
+
+
+def plot_timeline(timelines, strategy, path):
+    """The measured step per rank: its phases shaded (backward = inside loss.backward(); optimizer =
+    inside optimizer.step()); the main thread, computing or blocked; each collective from issue to
+    completion, one lane down if issued while another was still in flight."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    colours = {"all_reduce": "#4C72B0", "reduce_scatter": "#DD8452", "all_gather": "#55A868", "broadcast": "#8172B3"}
+    phases = {"forward": "#DCE9F5", "backward": "#FBE3D2", "optimizer": "#DDEFDD"}
+    fig, ax = plt.subplots(layout="constrained")
+    y, ticks = 0.0, []
+    for rank, tl in enumerate(timelines):
+        ends = []  # per lane, when its last collective completes (spans come in issue order)
+        for kind, a, b in tl["comm"]:
+            lane = next((i for i, e in enumerate(ends) if e <= a), len(ends))
+            ends[lane:lane + 1] = [b]
+            ax.broken_barh([(a, max(b - a, 1e-3))], (y + 0.95 + 0.45 * lane, 0.38), linewidth=0.6,
+                           facecolors=colours.get(kind, "tab:gray"), edgecolor="black")
+        h = 1.0 + 0.45 * len(ends)
+        for name, a, b in tl.get("phases", []):
+            ax.broken_barh([(a, b - a)], (y, h), facecolors=phases[name], zorder=0)
+            if b - a > 0.06 * tl["step_ms"]:
+                ax.text((a + b) / 2, y + 0.17, name, ha="center", va="center", fontsize=8, color="dimgray")
+        ax.broken_barh([(0, tl["step_ms"])], (y + 0.35, 0.5), facecolors="lightgray")
+        ax.broken_barh([(a, b - a) for a, b in tl["blocked"]], (y + 0.35, 0.5), facecolors="tab:red")
+        ticks += [(y + 0.6, f"rank {rank}: main thread"), (y + h / 2 + 0.45, "collectives" * bool(ends))]
+        y += h + 0.3
+    ax.set_yticks(*zip(*ticks), fontsize=8)
+    ax.set_ylim(y - 0.3, -0.05)  # rank 0 on top
+    kinds = {k for tl in timelines for k, *_ in tl["comm"]}
+    handles = [Patch(facecolor=c, label=f"phase: {p}") for p, c in phases.items()] + [Patch(
+        facecolor=c, label=f"main thread: {p}") for p, c in (("compute", "lightgray"), ("blocked on comm", "tab:red"))]
+    fig.legend(handles=handles + [Patch(facecolor=c, edgecolor="black", label=f"{k}: issue to completion")
+                                  for k, c in colours.items() if k in kinds], loc="outside lower center", ncol=3, fontsize=8)
+    ax.set(xlabel="time since the measured step began (ms)", title=f"{strategy}: one step per rank, phases and collectives")
+    fig.set_size_inches(11, 1.8 + 0.8 * y)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
 
 
 def main():
