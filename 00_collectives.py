@@ -62,7 +62,10 @@ class Ring:
         chunks = list(full.clone().chunk(n))  # my working copy, cut in N chunks of c elements
         incoming = torch.empty_like(chunks[0])
         # ### BEGIN SOLUTION: ring reduce-scatter
-        # TODO: for s in range(n - 1): exchange chunks[(r - s - 1) % n] for `incoming` (which
+        # GOAL: afterwards chunks[r] holds chunk r summed over all N ranks (other chunks may hold
+        #       partial sums). Neighbour to neighbour only: N - 1 steps, every rank sending one chunk
+        #       a step to its right, all at once: (N-1)/N of the tensor per rank in all.
+        # TODO: at each step s = 0 .. n - 2, exchange chunks[(r - s - 1) % n] for `incoming` (which
         #       holds chunk (r - s - 2) % n from the left) and add it into that chunk. After the
         #       last step chunks[r] holds all N ranks' terms.
         for s in range(n - 1):
@@ -77,8 +80,14 @@ class Ring:
         full = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)
         chunks = full.chunk(n)
         chunks[r].copy_(mine)
+        # ### BEGIN SOLUTION: ring all-gather
+        # GOAL: afterwards chunks[i] holds rank i's chunk, for every i, on every rank. Neighbour
+        #       to neighbour only: N - 1 steps, every rank sending one chunk a step to its right.
+        # TODO: at each step s = 0 .. n - 2, exchange chunks[(r - s) % n] (sent) for chunks[(r - s - 1) % n]
+        #       (received in place): each chunk moves on one hop a step.
         for s in range(n - 1):  # pass each chunk on, one hop a step
             self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
+        # ### END SOLUTION
         return full
 
     def all_reduce(self, full):

@@ -55,6 +55,9 @@ class VanillaDP(ddp.Replicated):
         # with fp32's range, does not have.)
         # model.parameters() yields a tied parameter once, so it is reduced once.
         # ### BEGIN SOLUTION: average the gradients
+        # GOAL: afterwards every rank's p.grad holds the global-batch mean gradient, in place, for
+        #       every parameter that has a gradient (a None stays None); one collective per
+        #       parameter, blocking.
         # TODO: for every parameter of self.module that has a gradient (skip p.grad None),
         #       make p.grad the mean over ranks, in place: divide by self.world_size, then
         #       dist.all_reduce it (blocking, ReduceOp.SUM).

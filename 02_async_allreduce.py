@@ -57,6 +57,8 @@ class AsyncAllReduceDP(ddp.Replicated):
         # Every rank's backward fires the hooks in the same order, so the i-th all-reduce of every
         # rank is the same parameter's: collectives are matched by the order they are issued.
         # ### BEGIN SOLUTION: launch the gradient's all-reduce
+        # GOAL: start averaging p.grad over the ranks, in place, without blocking backward: one
+        #       collective per gradient, launched now; keep in self.handles what finishing it needs.
         # TODO: divide p.grad by self.world_size in place, then start its all-reduce without
         #       waiting (dist.all_reduce(..., async_op=True)) and append the returned work
         #       handle to self.handles.
@@ -66,6 +68,8 @@ class AsyncAllReduceDP(ddp.Replicated):
 
     def finish_gradient_synchronization(self):
         # ### BEGIN SOLUTION: wait for the all-reduces
+        # GOAL: when this returns, every collective launched this step has completed (each p.grad is
+        #       the global-batch mean) and self.handles is ready for the next step.
         # TODO: wait for every work handle in self.handles, then empty the list for the next step.
         for work in self.handles:  # the optimizer must not read a gradient still in flight
             work.wait()

@@ -62,6 +62,9 @@ class BucketedDP(ddp.Replicated):
     def _launch(self, bucket):
         # The global gradient is the SUM of the ranks' gradients divided by N (see 01).
         # ### BEGIN SOLUTION: all-reduce one bucket
+        # GOAL: start averaging the whole bucket (bucket.buffer: its gradients, at once) over the
+        #       ranks, in place, without blocking: one collective per bucket. Return its handle: the
+        #       BucketManager completes it at the end of backward.
         # TODO: average the whole bucket at once: divide bucket.buffer (numel,) by
         #       self.world_size in place, start one async all-reduce of it and return its work
         #       handle (the BucketManager waits for it in finish()).

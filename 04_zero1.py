@@ -90,6 +90,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
 
         # My shard: slice `rank` of the flat buffer, updated by me only.
         # ### BEGIN SOLUTION: my shard of the flat buffer
+        # GOAL: self.param_shard is this rank's slice (slice number self.rank, shard_numel elements) of
+        #       self.flat_param, sharing its memory: updating the shard updates the parameters.
         # TODO: set self.param_shard to slice number self.rank of self.flat_param, shard_numel
         #       elements long: a view (no copy), so updating it updates the parameters.
         start = self.rank * shard_numel
@@ -121,6 +123,9 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # Psi (N-1)/N: 50% more than 01. A reduce-scatter sends Psi (N-1)/N, so 1) + 3) cost
         # exactly one all-reduce. (Divide first, then SUM, as in 01.)
         # ### BEGIN SOLUTION: 1) reduce-scatter the gradient
+        # GOAL: grad_shard, shaped like self.param_shard, holds my slice of the global-batch mean of
+        #       self.flat_grad; one collective that sends (N-1)/N of the buffer per rank (half what
+        #       an all-reduce sends).
         # TODO: divide self.flat_grad (numel_padded,) by self.world_size in place, then
         #       reduce-scatter it (dist.reduce_scatter_tensor) into a new tensor grad_shard
         #       shaped like self.param_shard.
@@ -143,6 +148,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # all-gather every rank's into the flat buffer, so every parameter view is current. In
         # place: my shard already sits at its slot of the output, which NCCL and gloo allow.
         # ### BEGIN SOLUTION: 3) all-gather the parameters
+        # GOAL: afterwards self.flat_param holds every rank's updated slice, on every rank, in the
+        #       working precision; my slice comes from self.master_shard; one collective.
         # TODO: copy self.master_shard into self.param_shard (casts to the working precision),
         #       then all-gather every rank's param_shard into self.flat_param
         #       (dist.all_gather_into_tensor).

@@ -130,6 +130,9 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         # 1) reduce-scatter the bucket's gradient, averaged, asynchronously: backward goes on
         # with earlier layers while it runs. (Divide first, then SUM, as in 01.)
         # ### BEGIN SOLUTION: 1) reduce-scatter a full bucket
+        # GOAL: start, without blocking, the collective that leaves my slice (numel_padded / N
+        #       elements) of the bucket's global-batch mean gradient in a new tensor of the bucket's
+        #       dtype and device, kept in self.grad_shards_in_flight[bucket.index]; return its handle.
         # TODO: divide bucket.buffer (numel_padded,) by self.world_size in place; allocate
         #       grad_shard (numel_padded / N,) of the bucket's dtype and device, record it in
         #       self.grad_shards_in_flight[bucket.index], and return the work handle of an async
@@ -145,9 +148,12 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     def _keep_my_shard(self, bucket):
         """BucketManager's on_done(bucket): keep my slice, drop the full-size buffer."""
         # ### BEGIN SOLUTION: keep my slice, free the bucket
+        # GOAL: self.grad_shards[bucket.index] holds my slice of this step's gradient summed over the
+        #       micro-steps so far (later micro-steps accumulate in fp32); nothing of this bucket is
+        #       left in flight and its full-size buffer is released.
         # TODO: take this bucket's reduce-scattered shard out of self.grad_shards_in_flight;
         #       store it in self.grad_shards[bucket.index], or, if a micro-step already left
-        #       one, add it there in fp32; then drop the full-size buffer (bucket.buffer = None).
+        #       one, add it there in fp32; then drop the full-size buffer (set the bucket's buffer to None).
         grad_shard = self.grad_shards_in_flight.pop(bucket.index)
         if self.grad_shards[bucket.index] is None:
             self.grad_shards[bucket.index] = grad_shard

@@ -213,6 +213,9 @@ class ZeRO3(nn.Module):
         """All-gather `unit` into its flat buffer, unless it is there or on its way."""
         flat_param = unit.flat_param
         # ### BEGIN SOLUTION: gather a unit
+        # GOAL: a freed flat_param gets its full memory back and starts filling, without blocking,
+        #       with every rank's shard in flat_param's dtype (pending work: unit.gather_work). With
+        #       `wait` set, flat_param is complete when this returns and nothing is pending.
         # TODO: if flat_param's storage is freed (size 0), give it numel x element_size bytes
         #       again and start an async dist.all_gather_into_tensor of unit.shard, cast to
         #       flat_param's dtype, into it, kept in unit.gather_work. Then, if `wait`, wait
@@ -229,6 +232,8 @@ class ZeRO3(nn.Module):
     def _reshard(self, unit):
         """Free `unit`'s full parameters; my shard stays."""
         # ### BEGIN SOLUTION: free a unit
+        # GOAL: afterwards unit.flat_param's memory is released (its storage, not just this tensor),
+        #       and never while a collective may still be writing into it.
         # TODO: wait for unit.gather_work first if one is pending (and set it to None), then
         #       free unit.flat_param's memory by resizing its untyped storage to 0 bytes.
         if unit.gather_work is not None:  # never free memory a collective is writing into
@@ -293,6 +298,9 @@ class ZeRO3(nn.Module):
         # 5) averaged over the global batch: each rank's loss is the mean over its rows, so the
         # global gradient is the SUM over ranks divided by N (divide first, as in 01).
         # ### BEGIN SOLUTION: reduce-scatter a unit's gradient
+        # GOAL: start, without blocking, the collective that leaves my shard_numel elements of the
+        #       unit's global-batch mean gradient in a new tensor; record (unit, work, grad_shard) in
+        #       self.grads_in_flight for the end of backward.
         # TODO: divide unit.flat_grad (numel_padded,) by self.world_size in place, start an
         #       async dist.reduce_scatter_tensor of it into a new grad_shard of shard_numel
         #       elements, and append (unit, work, grad_shard) to self.grads_in_flight.

@@ -36,13 +36,17 @@ diffs: setup     ## regenerate docs/diffs/ (the diff between consecutive lessons
 timelines: setup ## one traced step per lesson: overlap table, docs/figures/timeline_*.png (about 2 minutes)
 	$(PY) -m scripts.perf.timelines
 
-.PHONY: student-edition grade
+.PHONY: student-edition grade grade-class
 OUT ?= student
-student-edition: setup ## the student edition: every lesson's solution regions cut out, into OUT (default student/)
-	$(PY) -m scripts.course.student_edition $(OUT)
+LEVEL ?= guided
+student-edition: setup ## the student edition: every lesson's solution regions cut out, into OUT (default student/); LEVEL=standard: goals only
+	$(PY) -m scripts.course.student_edition $(OUT) --level $(LEVEL)
 
 grade: setup     ## grade a student edition: make grade EDITION=student (default: this checkout); points: tests/points.toml
 	$(PY) -m scripts.course.grade $(EDITION)
+
+grade-class: setup ## grade a folder of submissions (directories, .zip, .tar.gz): make grade-class SUBMISSIONS=DIR -> grades.csv, grades.json (docs/course.md)
+	$(PY) -m scripts.course.grade_class $(SUBMISSIONS) --out $(or $(GRADES),.)
 
 gpu-check: setup ## on a machine with GPUs: every lesson on CUDA/nccl, fp32 and bf16, one table (runs/gpu_check/); no GPU: says so
 	$(PY) -m scripts.perf.gpu_check

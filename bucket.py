@@ -115,6 +115,9 @@ class BucketManager:
         # Launch every full bucket in index order, never out of it: collectives are matched
         # by call order across ranks, so all ranks must launch bucket 0, then 1, ...
         # ### BEGIN SOLUTION: launch the full buckets, in order
+        # GOAL: every bucket whose gradients are all ready is launched, in index order with no gap: a
+        #       bucket goes only after every lower-index one went, so that all ranks issue the same
+        #       collectives in the same order whatever order their gradients arrived in.
         # TODO: while the bucket at index self.next_to_launch exists and has no pending
         #       gradient left, launch it with self._launch(bucket) (which advances
         #       self.next_to_launch). A full bucket behind one still pending must wait its turn.

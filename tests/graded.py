@@ -1,7 +1,7 @@
-"""The course kit's grading plumbing: which files are graded (the lessons and bucket.py) and
-where the tests read them from, this checkout or a student edition (DP_LESSONS), with
-exceptions taken from this checkout (DP_REFERENCE). scripts/course/grade.py sets both; the tests load
-every graded file through load_lesson.
+"""Where the tests read the graded files (the lessons and bucket.py) from: this checkout, or a
+student edition named by DP_LESSONS. The tests load every graded file through load_lesson.
+(scripts/course/grade.py does not need DP_LESSONS: it copies a submission's graded files into a
+directory laid out as a checkout, and runs the tests there.)
 """
 import importlib.util
 import os
@@ -17,15 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The graded tests (tests/points.toml) read it; the tools' tests (lecture, notebooks, benchmark)
 # run scripts/, which always use this checkout's lessons.
 LESSONS_DIR = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT)
-# Graded files taken from this checkout even so (DP_REFERENCE=bucket): scripts/course/grade.py grades
-# 05 again with the reference bucket.py when the edition's fails its own tests, so an unfinished
-# 03 costs 03's points only.
-REFERENCE = set(filter(None, os.environ.get("DP_REFERENCE", "").split(",")))
 
 
 def lesson_file(name):
     """The path of graded file `name` ("03_buckets", "bucket"): for running it as a script."""
-    return os.path.join(ROOT if name in REFERENCE else LESSONS_DIR, f"{name}.py")
+    return os.path.join(LESSONS_DIR, f"{name}.py")
 
 
 def load_lesson(name):

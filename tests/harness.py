@@ -48,7 +48,7 @@ def _worker(rank, world, port, fn, args, out_dir):
 # then starts in well under a second instead of about 4 s, and the suite runs dozens of them.
 # Forked ranks share what the server had: its environment (from the first launch) and its hash
 # seed. So each rank starts as a new interpreter instead (spawn) with `fresh=True`, and whenever
-# graded files come from elsewhere (DP_LESSONS, DP_REFERENCE: set before or during the run, and
+# graded files come from elsewhere (DP_LESSONS: set before or during the run, and
 # a student's code must meet what torchrun gives it, a hash seed of its own included).
 _FORKSERVER = mp.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
@@ -58,7 +58,7 @@ def spawn(world, fn, *args, timeout=300, fresh=False):
     """Run fn(*args) on `world` ranks inside an initialised gloo group; return each rank's
     result. fn must be a module-level function (it is pickled by name)."""
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
-    elsewhere = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT) != ROOT or os.environ.get("DP_REFERENCE")
+    elsewhere = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT) != ROOT
     fresh = fresh or bool(elsewhere)  # (read now: a test may set DP_LESSONS after the first launch)
     ctx = mp.get_context("spawn") if fresh else _FORKSERVER
     with tempfile.TemporaryDirectory() as out_dir:

@@ -1,11 +1,10 @@
 """Assignments: the fenced solution regions, the student edition cut from them, and its grading.
 
 The edition is generated once into a temporary directory; the graded lessons are run against it
-through the tests' adapter (DP_LESSONS, read by tests/harness.py) in one spawned launch.
+through the tests' adapter (DP_LESSONS, read by tests/graded.py) in one spawned launch. Grading
+(editions, classes, hidden tests, levels): tests/test_course.py.
 """
 import os
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -53,8 +52,9 @@ def test_every_graded_file_has_balanced_fences_with_instructions():
         with open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8") as f:
             found = se.regions(f.read(), f"{name}.py")  # raises on a bad fence
         assert 1 <= len(found) <= 3, name  # few and meaningful
-        for start, end, indent, title, n_todo in found:
-            assert title and n_todo >= 1 and end > start + n_todo + 1
+        for start, end, indent, title, blocks in found:
+            assert title and set(blocks) == {"GOAL", "TODO"}, (name, title)  # both levels
+            assert end > max(after for _, after in blocks.values())  # code after the instructions
 
 
 BAD = {  # case: (text, what the error says)
@@ -176,44 +176,3 @@ def test_a_failing_rank_ends_the_launch_quickly_with_its_message(ranks):
     # measured 4 s idle, 16 s on a loaded machine; a hang would be spawn's TimeoutError at 60 s.
     # It ends because the failing rank's exit closes its sockets: the peer's collective errors.
     assert time.monotonic() - t0 < 50
-
-
-def test_a_regraded_lesson_changes_only_its_own_row():
-    from scripts.course import grade
-    results = {"tests/t.py::a": (False, "NotImplementedError: bucket.py"), "tests/t.py::b": (True, "")}
-    lessons = {"03_buckets": {"points": 10, "tests": ["tests/t.py"], "uses": {}},
-               "05_zero2": {"points": 20, "tests": ["tests/t.py::a"], "uses": {"bucket": "tests/t.py"}}}
-    regraded = {"05_zero2": ({"tests/t.py::a": (True, "")}, "graded with this checkout's bucket.py")}
-    for partial in (False, True):
-        rows = {r[0]: r[1:5] for r in grade.grade(results, lessons, partial, regraded)}
-        assert rows["05_zero2"] == (1, 1, 20, 20)
-        assert rows["03_buckets"] == (1, 2, 5.0 if partial else 0, 10)  # test a still failed for 03
-
-
-def test_grade_table_for_the_edition_and_for_the_solutions(edition, tmp_path):
-    points = tmp_path / "points.toml"
-    # "05" stands for a lesson that uses bucket.py without owning it, graded here by one test
-    # that needs bucket.py's region (05's real tests take a minute): in the edition it fails
-    # with the edition's bucket.py and must be regraded, and pass, with the reference one
-    uses = "tests/test_bucket.py::test_buckets_launch_in_order_even_when_a_later_one_fills_first"
-    points.write_text('partial_credit = false\n[lessons.03_buckets]\npoints = 15\n'
-                      'tests = ["tests/test_bucket.py"]\n'
-                      f'[lessons.05_zero2]\npoints = 20\ntests = ["{uses}"]\n'
-                      'uses = {bucket = "tests/test_bucket.py"}\n')
-    grade = [sys.executable, "-m", "scripts.course.grade", "--points", str(points)]
-    env = dict(os.environ)
-    env.pop("DP_LESSONS", None)
-    procs = [subprocess.Popen(grade + [where], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for where in (edition, ROOT)]  # together: each pays `import torch`
-    outputs = [p.communicate(timeout=120) for p in procs]
-    student, solutions = [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outputs)]
-    assert student.returncode == 0 and solutions.returncode == 0, student.stderr + solutions.stderr
-    rows = {l.split()[0]: l.split()[1:] for l in student.stdout.splitlines() if l.startswith(("03_", "05_", "total"))}
-    n = int(rows["03_buckets"][0].split("/")[1])
-    assert rows["03_buckets"][1:] == ["0/15", "FAIL"] and 0 < int(rows["03_buckets"][0].split("/")[0]) < n
-    assert "NotImplementedError: bucket.py: launch the full buckets, in order" in student.stdout
-    assert rows["05_zero2"] == ["1/1", "20/20", "PASS"], student.stdout
-    assert "05_zero2: graded with this checkout's bucket.py (the edition's fails tests/test_bucket.py)" in student.stdout
-    assert f"03_buckets {n}/{n} 15/15 PASS" in " ".join(solutions.stdout.split())
-    assert f"total {n + 1}/{n + 1} 35/35" in " ".join(solutions.stdout.split())
-    assert "graded with this checkout's" not in solutions.stdout

@@ -1,25 +1,28 @@
 """Write the student edition: this project with the solution regions of the lessons cut out.
 
     python -m scripts.course.student_edition student/                   # or: make student-edition OUT=student
+    python -m scripts.course.student_edition student/ --level standard  # goals only, no recipe
     python -m scripts.course.student_edition out/ --source student/     # from an edition: the same bytes
     python -m scripts.course.student_edition --check                    # only check that every fence closes
 
-A solution region is fenced by comments, with its instructions right after BEGIN, so readers of
-the solutions see them too:
+A solution region is fenced by comments, with its instructions right after BEGIN, two levels of
+them, so readers of the solutions see both:
 
     # ### BEGIN SOLUTION: <short title>
-    # TODO: <what to compute, which collective, shapes>
-    #       <more instructions: '#' then at least two spaces>
+    # GOAL: <what must hold afterwards, its invariants; no calls named>     (--level standard)
+    #       <more lines: '#' then at least two spaces>
+    # TODO: <the recipe: which collective, in which order, shapes>          (--level guided)
     <the solution: whole statements at the fence's indentation>
     # ### END SOLUTION
 
 In the edition the solution becomes one line at the fence's indentation,
-`raise NotImplementedError("<file>: <title> (see the TODO above)")`, so every file still imports
-and a test that reaches the region fails with that message. The fences and the TODO stay: the
-student writes between them, and stripping an edition again changes nothing. Only top-level
-*.py files are fenced (the lessons and bucket.py); everything else is copied as it is, except
-what would show the solutions (docs/diffs/ and its test) and the tests of this tooling. The output depends only on the
-source's files (no timestamps), so generating twice gives identical bytes.
+`raise NotImplementedError("<file>: <title> (see the TODO above)")` (GOAL at level standard), so
+every file still imports and a test that reaches the region fails with that message. The fences
+and the level's instructions stay: the student writes between them, and stripping an edition again
+changes nothing. Only top-level *.py files are fenced (the lessons and bucket.py); everything else
+is copied as it is, except what would show the solutions or grade them (SKIP_PATHS: the diffs
+between lessons, the hidden tests, the kit's own tests, the answer key). The output depends only
+on the source's files (no timestamps), so generating twice gives identical bytes.
 """
 import argparse
 import os
@@ -27,15 +30,20 @@ import re
 import stat
 import subprocess
 import sys
+import tomllib
 
 from scripts.runs import ROOT
 
 STAMP = "ASSIGNMENT.md"  # marks a directory as an edition: safe to regenerate, never a source
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ipynb_checkpoints", "runs"}
 # The diffs between consecutive lessons contain every solution (and their test needs them).
-# The tests of the assignment tooling hold this checkout's solutions to passing: in an edition
-# they would fail for reasons that are not the student's.
-SKIP_PATHS = {"docs/diffs", "tests/test_diffs.py", "tests/test_assignments.py"}
+# The hidden tests are the grader's (scripts/course/grade.py adds them from the instructor's
+# checkout). The tests of the course kit hold this checkout's solutions to passing: in an edition
+# they would fail for reasons that are not the student's. The instructor's guide and answer key.
+SKIP_PATHS = {"docs/diffs", "tests/test_diffs.py", "tests/hidden", "tests/test_assignments.py",
+              "tests/test_course.py", "docs/course.md", "docs/course_answers.md"}
+LEVELS = {"guided": "TODO", "standard": "GOAL"}  # --level: the instruction kept in the edition
+QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "questions.toml")
 BEGIN = re.compile(r"^([ \t]*)# ### BEGIN SOLUTION:[ \t]*(\S.*?)[ \t]*$")
 END = re.compile(r"^([ \t]*)# ### END SOLUTION[ \t]*$")
 ANY = re.compile(r"#\s*###\s*(BEGIN|END)\s+SOLUTION")  # a fence, well-formed or not
@@ -47,8 +55,9 @@ class FenceError(ValueError):
 
 # ----------------------------------------------------------------------------- fences
 def regions(text, name):
-    """[(begin, end, indent, title, n_todo)] line indices of each fenced region of `text`;
-    FenceError naming file and line for a fence that is unbalanced, nested or malformed."""
+    """[(begin, end, indent, title, blocks)] line indices of each fenced region of `text`, with
+    blocks {"GOAL" | "TODO": (first line, line after)} of its instructions; FenceError naming file
+    and line for a fence that is unbalanced, nested or malformed."""
     lines, found, open_ = text.splitlines(), [], None
     for i, line in enumerate(lines):
         where = f"{name}:{i + 1}"
@@ -63,7 +72,7 @@ def regions(text, name):
             start, indent, title = open_
             if end.group(1) != indent:
                 raise FenceError(f"{where}: END SOLUTION is not indented like its BEGIN (line {start + 1})")
-            found.append((start, i, indent, title, _todo_lines(lines, start, i, indent, name)))
+            found.append((start, i, indent, title, _instructions(lines, start, i, indent, name)))
             open_ = None
         elif ANY.search(line):
             raise FenceError(f"{where}: malformed fence (want '# ### BEGIN SOLUTION: <title>' "
@@ -73,13 +82,24 @@ def regions(text, name):
     return found
 
 
-def _todo_lines(lines, start, end, indent, name):
-    """How many instruction lines follow BEGIN; checks the body is whole statements."""
-    if start + 1 >= end or not lines[start + 1].startswith(indent + "# TODO:"):
-        raise FenceError(f"{name}:{start + 2}: a region starts with '# TODO: <instructions>'")
-    n = 1
-    while start + 1 + n < end and re.match(re.escape(indent) + r"#  ", lines[start + 1 + n]):
-        n += 1
+def _instructions(lines, start, end, indent, name):
+    """{label: (first, after)} of the GOAL and TODO blocks that follow BEGIN (each once, its
+    continuation lines '#  ...'); checks the body after them is whole statements."""
+    blocks, j = {}, start + 1
+    while j < end:
+        label = next((l for l in ("GOAL", "TODO") if lines[j].startswith(f"{indent}# {l}:")), None)
+        if label is None:
+            break
+        if label in blocks:
+            raise FenceError(f"{name}:{j + 1}: a second '# {label}:' in one region")
+        first, j = j, j + 1
+        while j < end and re.match(re.escape(indent) + r"#  ", lines[j]):
+            j += 1
+        blocks[label] = (first, j)
+    if not blocks:
+        raise FenceError(f"{name}:{start + 2}: a region starts with '# TODO: <instructions>' "
+                         "(or '# GOAL: <what must hold>')")
+    n = j - start - 1
     body = [(j, lines[j]) for j in range(start + 1 + n, end) if lines[j].strip()]
     if not body:
         raise FenceError(f"{name}:{start + 1}: the region holds no code")
@@ -89,21 +109,24 @@ def _todo_lines(lines, start, end, indent, name):
     j, first = body[0]
     if len(first) - len(first.lstrip()) != len(indent):
         raise FenceError(f"{name}:{j + 1}: the region's first statement is not at the fence's indentation")
-    return n
+    return blocks
 
 
-def message(name, title):
-    return f"{name}: {title} (see the TODO above)"
+def message(name, title, label="TODO"):
+    return f"{name}: {title} (see the {label} above)"
 
 
-def strip(text, name):
-    """`text` with every region's solution replaced by a NotImplementedError; checked to compile."""
+def strip(text, name, level="guided"):
+    """`text` with every region's solution replaced by a NotImplementedError and only the
+    level's instructions kept (a region with only the other kind, an edition's, keeps those);
+    checked to compile."""
     lines = text.splitlines(keepends=True)
     newline = "\r\n" if text.endswith("\r\n") else "\n"
     out, last = [], 0
-    for start, end, indent, title, n_todo in regions(text, name):
-        msg = message(name, title).replace("\\", "\\\\").replace('"', '\\"')
-        out += lines[last:start + 1 + n_todo]
+    for start, end, indent, title, blocks in regions(text, name):
+        label = LEVELS[level] if LEVELS[level] in blocks else next(iter(blocks))
+        msg = message(name, title, label).replace("\\", "\\\\").replace('"', '\\"')
+        out += lines[last:start + 1] + lines[slice(*blocks[label])]
         out.append(f'{indent}raise NotImplementedError("{msg}"){newline}')
         last = end
     out += lines[last:]
@@ -117,15 +140,16 @@ def strip(text, name):
 
 
 # ----------------------------------------------------------------------------- files
-def _skipped(rel):
+def _skipped(rel, skip_paths=True):
     parts = rel.split("/")
     return (any(p in SKIP_DIRS for p in parts[:-1]) or parts[-1].endswith(".pyc")
-            or any(rel == s or rel.startswith(s + "/") for s in SKIP_PATHS))
+            or skip_paths and any(rel == s or rel.startswith(s + "/") for s in SKIP_PATHS))
 
 
-def source_files(source):
+def source_files(source, skip=True):
     """Relative paths of the project's files: git's view (tracked and new, not ignored) when
-    `source` is a git checkout, else every file; minus SKIP_* and any edition inside it."""
+    `source` is a git checkout, else every file; minus SKIP_DIRS, SKIP_PATHS (unless not `skip`)
+    and any edition inside it."""
     if os.path.isdir(os.path.join(source, ".git")):
         out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                              cwd=source, capture_output=True, check=True).stdout.decode()
@@ -138,12 +162,12 @@ def source_files(source):
             files += [f if rel == "." else f"{rel}/{f}" for f in filenames]
         files.sort()
     editions = {os.path.dirname(f) for f in files if os.path.basename(f) == STAMP and "/" in f}
-    return [f for f in files if not _skipped(f) and f != STAMP
+    return [f for f in files if not _skipped(f, skip) and f != STAMP
             and not any(f.startswith(e + "/") for e in editions)]
 
 
-def edition(source):
-    """{relative path: (bytes, mode)} of the student edition of `source`."""
+def edition(source, level="guided"):
+    """{relative path: (bytes, mode)} of the student edition of `source` at `level`."""
     out, listed = {}, []
     for rel in source_files(source):
         path = os.path.join(source, rel)
@@ -153,28 +177,60 @@ def edition(source):
             text = data.decode("utf-8")
             found = regions(text, rel)
             if found:
-                data = strip(text, rel).encode("utf-8")
+                data = strip(text, rel, level).encode("utf-8")
                 listed += [(rel, title) for _, _, _, title, _ in found]
         out[rel] = (data, stat.S_IMODE(os.stat(path).st_mode))
-    out[STAMP] = (_stamp(listed).encode("utf-8"), 0o644)
+    out[STAMP] = (_stamp(listed, level).encode("utf-8"), 0o644)
     return out
 
 
-def _stamp(listed):
+def questions():
+    """{lesson: {"run": command, "questions": [...]}} from questions.toml (answers: docs/course_answers.md)."""
+    with open(QUESTIONS, "rb") as f:
+        return tomllib.load(f)
+
+
+def _stamp(listed, level):
     rows = "\n".join(f"- `{rel}`: {title}" for rel, title in listed)
-    return f"""# Student edition
+    label = LEVELS[level]
+    how = ("what must hold when it is done (its invariants);\nwhich calls get you there is yours to "
+           "choose" if level == "standard" else "what to write, step by step")
+    asked = []
+    for lesson, q in questions().items():
+        items = "\n".join(f"{i}. {text}" for i, text in enumerate(q["questions"], 1))
+        asked.append(f"### {lesson}\n\nRun `{q['run']}` once your regions pass. Write your prediction "
+                     f"first, then compare with what the run prints.\n\n{items}")
+    asked = "\n\n".join(asked)
+    return f"""# Student edition (level: {level})
 
 Generated by `scripts/course/student_edition.py`. The solutions are cut out of these regions; each is
-fenced by `# ### BEGIN SOLUTION: <title>` and `# ### END SOLUTION`, and its `# TODO:` lines say
-what to write. Replace the `raise NotImplementedError(...)` between the fences with your code.
+fenced by `# ### BEGIN SOLUTION: <title>` and `# ### END SOLUTION`, and its `# {label}:` lines say
+{how}.
+Replace the `raise NotImplementedError(...)` between the fences with your code.
 
 {rows}
 
 `bucket.py` belongs to lesson 03 (graded by `tests/test_bucket.py`); 05 uses it too.
 
-    .venv/bin/python -m pytest -q tests/test_01_vanilla.py   # check one lesson
-    torchrun --nproc_per_node=2 01_vanilla_dp.py             # run it
-    .venv/bin/python -m scripts.course.grade                        # the grade table (tests/points.toml)
+## Set up, once
+
+    make setup                  # .venv: the pinned torch (CPU build without a GPU), pytest, numpy
+    PYTHON=python3 make demo    # or skip .venv: your own Python with torch >= 2.6 and pytest
+
+## Work on one lesson
+
+    .venv/bin/python -m pytest -q tests/test_01_vanilla.py    # its visible tests
+    .venv/bin/torchrun --nproc_per_node=2 01_vanilla_dp.py    # run it (python 01_vanilla_dp.py: 1 rank)
+    make grade                                                # the grade table, visible tests only
+    make test                                                 # the whole suite (minutes): passes once every region does
+
+Points per lesson are in `tests/points.toml`. Your instructor grades with the tests shipped here
+(visible) and held-back ones (hidden: other world sizes, model shapes, bucket caps, edge cases),
+so passing the visible tests is necessary, not sufficient: keep to the invariants, not to the tests.
+
+## Questions: predict, then measure
+
+{asked}
 """
 
 
@@ -210,12 +266,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", nargs="?", help="where to write the edition (e.g. student/)")
     p.add_argument("--source", default=ROOT, help="the project to strip (default: this checkout)")
+    p.add_argument("--level", choices=sorted(LEVELS), default="guided",
+                   help="guided: the TODO recipes (default); standard: the GOALs only, no calls named")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 on a bad fence")
     a = p.parse_args(argv)
     if not a.check and not a.out_dir:
         p.error("OUT_DIR is required (or --check)")
     try:
-        files = edition(a.source)
+        files = edition(a.source, a.level)
     except FenceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -224,7 +282,7 @@ def main(argv=None):
         print(f"fences: {n} regions, all closed")
         return 0
     write(files, a.out_dir, a.source)
-    print(f"wrote {len(files)} files to {a.out_dir} ({n} solution regions cut out)")
+    print(f"wrote {len(files)} files to {a.out_dir} ({n} solution regions cut out, level {a.level})")
     return 0
 
 

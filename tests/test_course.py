@@ -1,0 +1,257 @@
+"""The course kit for a class: editions at two levels that show no solution, hidden tests, and
+grading a folder of submissions into grades.csv / grades.json, robust to the ones that hang,
+crash or edit their tests. (Fences and the adapter: tests/test_assignments.py.)
+
+Costly parts run once each, as subprocesses, and side by side: the solutions and an untouched
+edition graded in full (every lesson, hidden tests included), and a class of four graded on
+lesson 01 only with limits of a few seconds.
+"""
+import ast
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from harness import ROOT
+
+import scripts.course.grade as grade
+import scripts.course.student_edition as se
+
+LESSON_NAMES = list(grade.load_points(grade.POINTS)[1])
+GRADED = [f[:-3] for f in grade.graded_files()]
+# The class's limits: a test of lesson 01 takes 2-4 s here while another grading runs beside it
+# (the first one 6 s: it starts the forkserver); the submission that hangs reaches its 3 launches
+# of ranks in turn, so it meets the per-test limit and then the run's.
+TEST_LIMIT, RUN_LIMIT = 15, 40
+
+
+def _tree(path):
+    out = {}
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            full = os.path.join(dirpath, f)
+            with open(full, "rb") as fh:
+                out[os.path.relpath(full, path).replace(os.sep, "/")] = fh.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def editions(tmp_path_factory):
+    out = {}
+    for level in se.LEVELS:
+        out[level] = str(tmp_path_factory.mktemp(level) / "student")
+        assert se.main([out[level], "--level", level]) == 0
+    return out
+
+
+def _grade_class(folder, out, *flags):
+    env = {k: v for k, v in os.environ.items() if k != "DP_LESSONS"}
+    return subprocess.Popen([sys.executable, "-m", "scripts.course.grade_class", str(folder), "--out", str(out),
+                             *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read(out):
+    with open(os.path.join(out, "grades.csv"), newline="") as f:
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    with open(os.path.join(out, "grades.json")) as f:
+        return rows, json.load(f)
+
+
+# ----------------------------------------------------------------------------- the edition
+def solution_lines():
+    """{(file, title): [every non-trivial statement of the region, whitespace collapsed]}: a
+    compound statement by its header; not a constant assignment (`x = None`), nor anything
+    shorter than 12 characters, nor what the graded files show outside their regions anyway."""
+    out, texts = {}, {}
+    for name in GRADED:
+        with open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8") as f:
+            texts[name] = f.read()
+    # the code every graded file shows outside its regions (a later lesson shows an earlier
+    # one's idea, e.g. 05 slices its shards as 04 does): given, wherever it occurs
+    outside = " ".join(_flat("\n".join(l for l in se.strip(t, f"{n}.py").splitlines()
+                                       if not l.strip().startswith("#"))) for n, t in texts.items())
+    for name, text in texts.items():
+        lines = text.splitlines()
+        for start, end, indent, title, blocks in se.regions(text, f"{name}.py"):
+            code = "\n".join(l[len(indent):] for l in lines[max(b for _, b in blocks.values()):end])
+            found = [s for s in _statements(code) if len(s) >= 12 and s not in outside
+                     and not re.fullmatch(r"[\w.\[\]]+ = (None|True|False|\d+)", s)]
+            out[(f"{name}.py", title)] = found
+    return out
+
+
+def _statements(code):
+    lines, out = code.splitlines(), []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, (ast.For, ast.While, ast.If, ast.With)):
+            out.append(_flat(lines[node.lineno - 1].split("  #")[0]))
+        elif isinstance(node, ast.stmt):
+            out.append(_flat(ast.get_source_segment(code, node)))
+    return out
+
+
+def _flat(text):
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("level", sorted(se.LEVELS))
+def test_no_file_of_the_edition_shows_a_solution_line(editions, level):
+    files = {rel: _flat(data.decode("utf-8", "replace")) for rel, data in _tree(editions[level]).items()}
+    shown = []
+    for (name, title), lines in solution_lines().items():
+        assert lines, (name, title)  # every region has lines to look for
+        for line in lines:
+            shown += [f"{rel}: {line!r} ({name}: {title})" for rel, text in files.items() if line in text]
+    assert not shown, "\n".join(shown)
+
+
+def test_hidden_tests_and_answers_stay_out_of_the_edition_and_setup_goes_in(editions):
+    files = _tree(editions["guided"])
+    assert not [f for f in files if f.startswith(("tests/hidden/", "docs/diffs/"))]
+    for gone in ("tests/test_course.py", "tests/test_assignments.py", "docs/course.md", "docs/course_answers.md"):
+        assert gone not in files
+    for kept in ("Makefile", "scripts/setup.sh", "requirements.txt", "tests/points.toml", "scripts/course/grade.py"):
+        assert kept in files
+    assignment = files["ASSIGNMENT.md"].decode()
+    assert "make setup" in assignment and "## Questions: predict, then measure" in assignment
+    for lesson in LESSON_NAMES:
+        assert f"### {lesson}" in assignment
+    # make's recipes resolve in the edition: set-up, the two quick-start commands, the grade
+    dry = subprocess.run(["make", "-n", "setup", "demo", "test", "grade"], cwd=editions["guided"],
+                         capture_output=True, text=True)
+    assert dry.returncode == 0 and "scripts/setup.sh" in dry.stdout, dry.stderr
+
+
+def test_two_levels_differ_only_in_the_instructions(editions):
+    for name in GRADED:
+        code = {}
+        for level, label in se.LEVELS.items():
+            with open(os.path.join(editions[level], f"{name}.py"), encoding="utf-8") as f:
+                text = f.read()
+            for _, _, _, _, blocks in se.regions(text, f"{name}.py"):
+                assert set(blocks) == {label}, (name, level)
+            code[level] = [l.replace(f"(see the {label} above)", "") for l in text.splitlines()
+                           if not l.strip().startswith("#")]
+        assert code["guided"] == code["standard"], name
+
+
+def test_standard_instructions_name_no_call_of_the_solutions():
+    for name in GRADED:
+        with open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8") as f:
+            text = f.read()
+        lines = text.splitlines()
+        for start, end, indent, title, blocks in se.regions(text, f"{name}.py"):
+            goal = "\n".join(lines[slice(*blocks["GOAL"])])
+            code = "\n".join(l[len(indent):] for l in lines[max(b for _, b in blocks.values()):end])
+            called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                      for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call)}
+            assert not re.search(r"\w\(", goal), (name, title, goal)  # no call written out
+            named = {c for c in called if ("_" in c or len(c) > 6) and re.search(rf"\b{re.escape(c)}\b", goal)}
+            assert not named, (name, title, named)  # nor the name of one the solution makes
+
+
+# ----------------------------------------------------------------------------- grading
+@pytest.fixture(scope="module")
+def graded_runs(editions, tmp_path_factory):
+    """Both costly gradings at once: the solutions and an untouched edition (every lesson,
+    hidden tests included), and a class of four on lesson 01 with limits of seconds."""
+    full = tmp_path_factory.mktemp("full")
+    (full / "solutions").mkdir()
+    for name in GRADED:
+        shutil.copy(os.path.join(ROOT, f"{name}.py"), full / "solutions")
+    with zipfile.ZipFile(full / "untouched.zip", "w") as z:  # an archive, one folder down
+        for name in GRADED:
+            z.write(os.path.join(editions["guided"], f"{name}.py"), f"student/{name}.py")
+    klass = tmp_path_factory.mktemp("class")
+    for student in ("good", "hangs", "crashes", "edits_tests"):
+        shutil.copytree(editions["guided"], klass / student, ignore=shutil.ignore_patterns("notebooks", "docs"))
+    shutil.copy(os.path.join(ROOT, "01_vanilla_dp.py"), klass / "good")
+    region = re.compile(r'raise NotImplementedError\("01_vanilla_dp\.py: average the gradients[^\n]*')
+    hangs = klass / "hangs" / "01_vanilla_dp.py"  # and prints without end while it hangs
+    hangs.write_text(region.sub("while True:\n            print('x' * 200, flush=True)", hangs.read_text()))
+    crashes = klass / "crashes" / "01_vanilla_dp.py"
+    crashes.write_text(crashes.read_text().replace("import torch\n", "import torch\nraise SystemExit('boom')\n", 1))
+    for test in ("test_01_vanilla.py", "points.toml"):  # its region untouched, its tests made to pass
+        (klass / "edits_tests" / "tests" / test).write_text("def test_ok():\n    pass\n")
+    # 05 stands for a lesson that builds on bucket.py without owning it, graded by one test that
+    # needs bucket.py's region (05's own tests take a minute): the edition's bucket.py fails it,
+    # so 05 is graded again with the reference one, and passes
+    regrade = tmp_path_factory.mktemp("regrade")
+    for name in GRADED:
+        shutil.copy(os.path.join(editions["guided"] if name == "bucket" else ROOT, f"{name}.py"), regrade)
+    uses = "tests/test_bucket.py::test_buckets_launch_in_order_even_when_a_later_one_fills_first"
+    (regrade / "points.toml").write_text(
+        '[lessons.03_buckets]\npoints = 15\nvisible = {weight = 1, tests = ["tests/test_bucket.py"]}\n'
+        f'[lessons.05_zero2]\npoints = 20\nvisible = {{weight = 1, tests = ["{uses}"]}}\n'
+        'uses = {bucket = "tests/test_bucket.py"}\n')
+    env = {k: v for k, v in os.environ.items() if k != "DP_LESSONS"}
+    procs = {"regrade": subprocess.Popen([sys.executable, "-m", "scripts.course.grade", str(regrade), "--points",
+                                          str(regrade / "points.toml")], cwd=ROOT, env=env, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
+             "full": _grade_class(full, full / "out"),
+             "class": _grade_class(klass, klass / "out", "--lessons", "01", "--jobs", "1",
+                                   "--test-timeout", str(TEST_LIMIT), "--timeout", str(RUN_LIMIT))}
+    outputs = {k: p.communicate(timeout=300)[0] for k, p in procs.items()}
+    for k, p in procs.items():
+        assert p.returncode == 0, outputs[k]
+    return {"full": (_read(full / "out"), outputs["full"]), "class": (_read(klass / "out"), outputs["class"]),
+            "regrade": outputs["regrade"]}
+
+
+def test_the_solutions_grade_full_marks_and_an_untouched_edition_zero(graded_runs):
+    (rows, report), output = graded_runs["full"]
+    assert list(next(iter(rows.values()))) == ["student", *LESSON_NAMES, "total", "max", "status", "seconds"]
+    solutions, untouched = rows["solutions"], rows["untouched"]
+    points = report["points"]
+    for lesson in LESSON_NAMES:
+        assert float(solutions[lesson]) == points[lesson], (lesson, output)
+        assert float(untouched[lesson]) == 0, (lesson, output)
+        mine = report["students"]["untouched"]["lessons"][lesson]
+        assert mine["total"] > 0 and mine["passed"] == 0  # its graded tests ran, and every one failed
+        assert all(why.startswith("NotImplementedError: ") for why in mine["failing"].values()), mine
+    assert solutions["total"] == solutions["max"] == f"{sum(points.values()):g}"
+    assert solutions["status"] == untouched["status"] == "ok"
+    assert "tests/hidden/" in json.dumps(report["students"]["untouched"])  # the hidden tests ran too
+
+
+def test_a_class_with_a_hang_a_crash_and_edited_tests_each_costs_its_own_row(graded_runs):
+    (rows, report), output = graded_runs["class"]
+    assert set(rows) == {"good", "hangs", "crashes", "edits_tests"}, output
+    assert float(rows["good"]["01_vanilla_dp"]) == report["points"]["01_vanilla_dp"] == 10, output
+    for student in ("hangs", "crashes", "edits_tests"):
+        assert float(rows[student]["01_vanilla_dp"]) == 0, (student, output)
+        assert float(rows[student]["seconds"]) < RUN_LIMIT + 15, (student, output)  # its limit, and a margin
+    assert rows["hangs"]["status"] == f"timed out after {RUN_LIMIT} s", output
+    assert rows["good"]["status"] == rows["crashes"]["status"] == rows["edits_tests"]["status"] == "ok"
+    reasons = {s: set(report["students"][s]["lessons"]["01_vanilla_dp"]["failing"].values()) for s in rows}
+    assert any("GradeTimeout" in r for r in reasons["hangs"]), reasons["hangs"]
+    assert reasons["crashes"] and all("boom" in r for r in reasons["crashes"]), reasons["crashes"]
+    assert all("NotImplementedError: 01_vanilla_dp.py: average the gradients" in r for r in reasons["edits_tests"])
+
+
+def test_a_lesson_is_regraded_with_the_reference_of_a_file_it_uses(graded_runs):
+    table = " ".join(graded_runs["regrade"].split())
+    assert "05_zero2 1/1 20/20 PASS" in table, graded_runs["regrade"]
+    assert re.search(r"03_buckets \d+/\d+ [\d.]+/15 FAIL", table), graded_runs["regrade"]  # 03 pays for it
+    assert "05_zero2: graded with the reference bucket.py (the edition's fails tests/test_bucket.py)" in table
+    assert "NotImplementedError: bucket.py: launch the full buckets, in order" in table
+
+
+def test_points_split_over_weighted_groups_with_partial_credit():
+    spec = {"points": 10, "partial": True, "uses": {},
+            "visible": {"weight": 6, "tests": ["tests/a.py"], "weights": {"tests/a.py::heavy": 3}},
+            "hidden": {"weight": 4, "tests": ["tests/hidden/b.py"], "weights": {}}}
+    results = {"tests/a.py::heavy[1]": (True, ""), "tests/a.py::light": (False, "boom"),
+               "tests/hidden/b.py::x": (True, ""), "tests/hidden/b.py::y": (False, "bang")}
+    row = grade.score(results, "l", spec)
+    assert row["earned"] == 6 * 3 / 4 + 4 * 1 / 2  # heavy weighs 3 of 4; hidden: 1 of 2
+    assert row["failing"] == {"tests/a.py::light": "boom", "tests/hidden/b.py::y": "bang"}
+    assert grade.score(results, "l", dict(spec, partial=False))["earned"] == 0
+    visible_only = grade.score(results, "l", spec, kinds=("visible",))  # inside an edition
+    assert (visible_only["points"], visible_only["earned"]) == (6, 4.5)
