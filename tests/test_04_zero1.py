@@ -9,10 +9,9 @@ import optimizers
 
 from harness import comm_ops, gpt_train, held, memory_theory, once, run_lesson, sent_bytes, spawn, theory_bytes
 from lessons import build
-from toy import toy_reference, toy_train
+from toy import toy_reference, toy_sgd_reference, toy_train
 from model import GPT
-from zero_parity import (ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, optimizer_bytes, ref,
-                         toy_sgd_reference)
+from zero_parity import (ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, optimizer_bytes, ref)
 
 LESSON = "04_zero1"
 CLIP = ARGV + ["--grad-clip", "0.05"]

@@ -13,9 +13,8 @@ from graded import load_lesson
 from harness import comm_ops, gpt_train, held, memory_theory, once, run_lesson, sent_bytes, spawn, theory_bytes
 from lessons import build
 from model import GPT
-from toy import make_toy, toy_reference, toy_train
-from zero_parity import (ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, optimizer_bytes, ref,
-                         toy_sgd_reference)
+from toy import make_toy, toy_reference, toy_sgd_reference, toy_train
+from zero_parity import (ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, optimizer_bytes, ref)
 
 LESSON = "05_zero2"
 MIB = 2 ** 20

@@ -13,7 +13,7 @@ from graded import load_lesson
 from harness import gpt_train, held, reference, run_lesson, sent_bytes, spawn, theory_bytes
 from lessons import build
 from model import GPT
-from toy import make_toy, toy_batch, toy_reference, toy_train
+from toy import toy_reference, toy_sgd_reference, toy_train
 from zero_parity import held_pieces
 
 LESSON = "06_zero3"
@@ -134,24 +134,11 @@ def test_edge_cases_tied_frozen_unused_different_init_accumulation(world):
         close(rank_out["toy_clip"], toy_reference(grad_clip=0.05))
 
 
-def toy_sgd_reference(steps=3, lr=0.5):
-    model = make_toy(seed=0)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for step in range(steps):
-        loss = model(*toy_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-
-
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_gradients_are_the_global_batch_mean(world):
     # Adam's update m / sqrt(v) ignores a common scale of the gradients, so a missing 1/N would
     # hide from every test above; SGD's update is the gradient itself, times lr.
-    ref = toy_sgd_reference()
+    ref = toy_sgd_reference(steps=3)
     for rank_out in results(world):
         close(rank_out["toy_sgd"], ref)
 

@@ -61,6 +61,17 @@ def toy_reference(steps=4, grad_clip=0.0, lr=1e-2, weight_decay=0.0, **_):
     from lessons import adamw
     model = make_toy(seed=0)
     opt = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, weight_decay), grad_clip, **adamw(lr))
+    return train_whole_batch(model, opt, steps)
+
+
+def toy_sgd_reference(steps=4, lr=0.5):
+    """toy_reference with plain SGD: unlike Adam it sees the gradient's scale (a missing 1/N)."""
+    model = make_toy(seed=0)
+    return train_whole_batch(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr), steps)
+
+
+def train_whole_batch(model, opt, steps):
+    """One process, the whole batch each step: losses and final parameters."""
     losses = []
     for step in range(steps):
         loss = model(*toy_batch(step))

@@ -6,7 +6,6 @@ import torch
 
 import common
 from harness import reference
-from toy import make_toy, toy_batch
 
 # d_model 33 and vocab 65 make Psi = 29,733, odd: no world size divides it, so every flat buffer
 # is padded. Clipping is off in ARGV (the default, 1.0, may or may not bite) and on in CLIP at
@@ -48,20 +47,6 @@ SGD = dict(optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(lr=0.5))
 def ref(argv: tuple):
     """Single-process training on the whole global batch (harness.reference), once per argv."""
     return reference(list(argv))
-
-
-def toy_sgd_reference(steps=4):
-    """toy.toy_reference with plain SGD: one process, whole batch."""
-    model = make_toy(seed=0)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], **SGD["optimizer_kwargs"])
-    losses = []
-    for step in range(steps):
-        loss = model(*toy_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def initial_params(argv):

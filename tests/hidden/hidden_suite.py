@@ -9,7 +9,7 @@ import torch
 import harness
 from harness import gpt_train, recording, reference, spawn, toy_reference_grads
 from lessons import build
-from toy import make_toy, toy_batch, toy_reference, toy_train
+from toy import toy_reference, toy_sgd_reference, toy_train
 
 WORLD = 3
 # Psi = 13750 (13750 % 3 == 1: every flat buffer is padded), d_model 22 with 2 heads, 61 tokens
@@ -34,20 +34,6 @@ def toy_grads(lesson, **kw):
 
 
 SGD = dict(optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(lr=0.5))  # 04-06 take any optimizer
-
-
-def toy_sgd_reference(steps=4, lr=0.5):
-    """Plain SGD on the whole batch: unlike Adam it sees the gradient's scale (a missing 1/N)."""
-    model = make_toy(seed=0)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for step in range(steps):
-        loss = model(*toy_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def suite(lesson, extra=None):
