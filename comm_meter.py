@@ -1,15 +1,13 @@
 """Communication, counted from outside the lessons: CommMeter wraps the torch.distributed
 collectives while a chosen step runs and counts each call and its payload (the lessons call
 `dist.all_reduce(...)` as usual and never report their own traffic); what the process wrote on
-the wire (bytes_written); the overlap of communication and compute, from the CPU clock on gloo
-or from a GPU trace (gpu_overlap). (The step's timeline figure: scripts/perf/timelines.py.)
+the wire (bytes_written); the overlap of communication and compute, on the CPU clock (gloo).
+`--trace DIR` (scripts/perf/timelines.py) charts these spans, and measures overlap on CUDA.
 """
 import inspect
-import json
 import time
 from contextlib import contextmanager
 
-import torch
 import torch.distributed as dist
 
 from theory import RING_FACTOR
@@ -31,7 +29,7 @@ class CommMeter:
     cpu_timed: the collectives run on the CPU (gloo), so a call and its wait() return when the
     communication is done and timing them on the CPU clock means something. With NCCL they only
     queue work on the GPU, so overlap, timeline and wire bytes are then None (unavailable); the
-    GPU's own kernel times give the overlap instead (gpu_overlap, with --trace)."""
+    GPU's own kernel times give the overlap instead (timelines.gpu_overlap, with --trace)."""
 
     def __init__(self, world_size, cpu_timed=True):
         self.world, self.cpu_timed = world_size, cpu_timed
@@ -43,27 +41,15 @@ class CommMeter:
         # `blocked` holds the intervals the calling thread spent inside a blocking collective or
         # a wait(): communication it did not hide behind compute.
         self.spans, self.blocked, self.window = [], [], None
-        self.phases = []  # [phase, start, end]: each loss.backward() and optimizer.step() (see timed)
 
     def _record(self, kind, tensor):
         entry = self.ops.setdefault(kind, {"calls": 0, "bytes": 0})
         entry["calls"] += 1
         entry["bytes"] += tensor.numel() * tensor.element_size()
 
-    def timed(self, phase, fn):
-        """fn, recording [phase, start, end] of each call: the timeline's phases (`measuring` times
-        loss.backward() with it, measure.Run optimizer.step())."""
-        def timed_fn(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self.phases.append([phase, t0, time.perf_counter()])
-            return out
-        return timed_fn
-
     @contextmanager
     def measuring(self):
-        originals, backward = {}, torch.Tensor.backward
-        torch.Tensor.backward = self.timed("backward", backward)
+        originals = {}
 
         def wrap(name, kind, arg):
             fn = getattr(dist, name)
@@ -99,7 +85,6 @@ class CommMeter:
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
-            torch.Tensor.backward = backward
             self.window = (start, time.perf_counter())
         if written is not None:  # the step is over, so every collective it issued has completed
             self.wire_bytes = bytes_written() - written
@@ -120,24 +105,6 @@ class CommMeter:
         comm, exposed = _union(spans), _union(blocked)
         return {"comm_ms": comm * 1e3, "exposed_ms": exposed * 1e3,
                 "hidden_share": 1 - exposed / comm if comm > 0 else 0.0}
-
-
-def gpu_overlap(trace_path):
-    """Overlap on a GPU, from a torch.profiler trace of the measured step: comm = the time NCCL
-    kernels ran, exposed = the part of it with no other kernel running beside them (the GPU's
-    compute did not hide it), hidden share = 1 - exposed / comm. None if the trace has none."""
-    with open(trace_path) as f:
-        events = json.load(f).get("traceEvents", [])
-    kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events
-               if e.get("cat") == "kernel" and "dur" in e]
-    comm = [(a, b) for name, a, b in kernels if "nccl" in name.lower()]
-    compute = [(a, b) for name, a, b in kernels if "nccl" not in name.lower()]
-    if not comm:
-        return None
-    total = _union(comm)
-    hidden = total + _union(compute) - _union(comm + compute)  # |comm & compute|
-    return {"comm_ms": total / 1e3, "exposed_ms": (total - hidden) / 1e3,  # trace times are in us
-            "hidden_share": hidden / total, "source": "GPU kernel times (profiler)"}
 
 
 def _union(intervals):

@@ -2,6 +2,7 @@
 one line from rank 0, measures `--measure-step` (its collectives with comm_meter.CommMeter, the
 bytes held with memory_ledger.MemoryLedger) and writes the summary and the JSON report, each
 measurement beside its formula from theory.py. The other steps run with nothing patched.
+`--trace DIR` (the profiler, the overlap on CUDA, the step's chart) is scripts/perf/timelines.Trace.
 """
 import json
 import statistics
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import common
-from comm_meter import CommMeter, gpu_overlap
+from comm_meter import CommMeter
 from memory_ledger import MemoryLedger, _PeakParams, max_rss
 from theory import theory_memory, theory_ring_bytes
 
@@ -28,7 +29,10 @@ class Run:
         self.ledger = MemoryLedger(model, [*holders, optimizer])
         self.cuda = env.device.type == "cuda"
         self.comm = CommMeter(env.world_size, cpu_timed=env.backend == "gloo" and not self.cuda)
-        self.gpu_overlap = self.cuda_step_peak = self.peak_params = self.params_timeline = None
+        self.cuda_step_peak = self.peak_params = self.params_timeline = self.trace = None
+        if getattr(args, "trace", None):  # a tool's, imported only then (it draws with matplotlib)
+            from scripts.perf.timelines import Trace
+            self.trace = Trace(self)
         self.losses, self.step_times, self.memory = [], [], None
         # A resumed run (--resume) starts at the checkpoint's step: it then measures the first
         # step at or after --measure-step that it runs, and its losses start at resumed_from.
@@ -47,7 +51,8 @@ class Run:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         if measure:
-            with self._profiler(), self.comm.measuring(), self._memory_probe():
+            trace = self.trace.measuring() if self.trace else nullcontext()
+            with trace, self.comm.measuring(), self._memory_probe():
                 yield micro_losses
                 self._sync()  # inside the window: the GPU's work of this step is in it
             if self.cuda:
@@ -69,36 +74,17 @@ class Run:
             torch.cuda.synchronize()
 
     @contextmanager
-    def _profiler(self):
-        """--trace DIR: torch.profiler over the measured step, a Chrome/Perfetto trace per rank."""
-        trace_dir = getattr(self.args, "trace", None)
-        if not trace_dir:
-            yield
-            return
-        import os
-        from torch.profiler import ProfilerActivity, profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.env.device.type == "cuda" else [])
-        os.makedirs(trace_dir, exist_ok=True)
-        with profile(activities=activities) as prof:
-            yield
-        path = os.path.join(trace_dir, f"trace_rank{self.env.rank}.json")
-        prof.export_chrome_trace(path)
-        if self.cuda:  # the CPU clock cannot see NCCL overlap: the GPU's kernel times can
-            self.gpu_overlap = gpu_overlap(path)
-
-    @contextmanager
     def _memory_probe(self):
         """At rest = just before optimizer.step(), when params, grads and optimizer state are
         all alive; peak_params = the most parameter bytes alive after any operation."""
-        original = self.optimizer.step
+        original, probe = self.optimizer.step, _PeakParams(self.ledger)
 
         def step_with_sample(*a, **k):
             self.memory = self.ledger.measure()
             probe.optimizer_begins()
-            return self.comm.timed("optimizer", original)(*a, **k)  # the timeline's optimizer phase
+            return original(*a, **k)
 
         self.optimizer.step = step_with_sample
-        probe = _PeakParams(self.ledger)
         # --peak-params 0: sampling after every operation costs about 2 ms each, seconds for
         # 01-03's step; peak_params and its timeline are then None, the rest measured as before
         track = getattr(self.args, "peak_params", 1)
@@ -109,8 +95,8 @@ class Run:
                 yield
         finally:
             self.optimizer.step = original
-        self.peak_params = probe.peak if track else None
-        self.params_timeline = {"ops": probe.ops, "samples": probe.timeline} if track else None
+        if track:
+            self.peak_params, self.params_timeline = probe.peak, {"ops": probe.ops, "samples": probe.timeline}
 
     def _log(self, step):
         t = self.step_times[-1]
@@ -122,11 +108,9 @@ class Run:
         """Gather every rank's measurements to rank 0, print the summary, write the report."""
         measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params},
                     "ops": self.comm.ops, "ring_bytes": self.comm.ring_bytes(),
-                    "wire_bytes": self.comm.wire_bytes, "overlap": self.comm.overlap() or self.gpu_overlap,
-                    "timeline": None}
-        if getattr(self.args, "trace", None):  # the chart's layout and drawing: the timelines tool
-            from scripts.perf.timelines import plot_timeline, timeline
-            measured["timeline"] = timeline(self.comm)
+                    "wire_bytes": self.comm.wire_bytes,
+                    "overlap": self.comm.overlap() or (self.trace and self.trace.gpu_overlap),
+                    "timeline": self.trace and self.trace.timeline()}  # --trace: the chart's, per rank
         if self.env.master:  # rank 0's parameter bytes over the measured step
             measured["params_timeline"] = self.params_timeline
         if self.cuda:  # what the caching allocator handed out: over the run, and in the measured step
@@ -144,9 +128,8 @@ class Run:
             if self.args.report:
                 with open(self.args.report, "w") as f:
                     json.dump(report, f, indent=1)
-            if getattr(self.args, "trace", None) and None not in [g["timeline"] for g in gathered]:
-                plot_timeline([g["timeline"] for g in gathered], report["strategy"],
-                              f"{self.args.trace}/timeline.png")
+            if self.trace:
+                self.trace.plot([g["timeline"] for g in gathered], report["strategy"])
         return gathered
 
     def report(self, gathered):
@@ -167,7 +150,7 @@ class Run:
                      # bytes each rank's process actually wrote (gloo on Linux; None elsewhere:
                      # NCCL moves its bytes over NVLink/InfiniBand, not the process's writes)
                      "wire_bytes_per_rank": [g["wire_bytes"] for g in gathered],
-                     # rank 0's; CommMeter.overlap gives the definition, gpu_overlap on CUDA
+                     # rank 0's; CommMeter.overlap gives the definition, timelines.gpu_overlap on CUDA
                      # (None there without --trace: unavailable, not zero)
                      "overlap": gathered[0]["overlap"],
                      "overlap_per_rank": [g["overlap"] for g in gathered]},

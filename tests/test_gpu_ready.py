@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 import common
+from model import get_batch, global_batch
 import optimizers
 import comm_meter
 from graded import lesson_file, load_lesson
 from harness import ROOT, spawn
-from scripts.perf.timelines import timeline
+from scripts.perf.timelines import gpu_overlap, timeline
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
@@ -126,11 +127,11 @@ def test_gpu_overlap_from_kernel_times(tmp_path):
     events.append({"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 400})  # CPU ops do not count
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    got = comm_meter.gpu_overlap(str(path))
+    got = gpu_overlap(str(path))
     assert got["comm_ms"] == pytest.approx(0.2) and got["exposed_ms"] == pytest.approx(0.1)
     assert got["hidden_share"] == pytest.approx(0.5)
     path.write_text(json.dumps({"traceEvents": events[1:2]}))
-    assert comm_meter.gpu_overlap(str(path)) is None  # no NCCL kernel: nothing to say, not 0 %
+    assert gpu_overlap(str(path)) is None  # no NCCL kernel: nothing to say, not 0 %
 
 
 def test_a_meter_not_on_the_cpu_clock_reports_unavailable_not_a_number():
@@ -144,14 +145,14 @@ def test_a_meter_not_on_the_cpu_clock_reports_unavailable_not_a_number():
 
 def test_a_step_batch_is_made_once_and_each_micro_step_gets_its_rows():
     args = common.parse_args(["--global-batch", "8", "--grad-accum", "2", "--seq-len", "16"])
-    tokens = common.global_batch(args.seed, 3, 8, 16, args.vocab_size)
+    tokens = global_batch(args.seed, 3, 8, 16, args.vocab_size)
     env = common.Dist(1, 2, torch.device("cpu"), "gloo")  # rank 1 of 2: rows 4..7, 2 per micro-step
     for micro in range(2):
-        x, y = common.get_batch(args, env, 3, micro)
+        x, y = get_batch(args, env, 3, micro)
         rows = tokens[4 + 2 * micro:6 + 2 * micro]
         assert torch.equal(x, rows[:, :-1]) and torch.equal(y, rows[:, 1:])
-    first = common.get_batch(args, env, 3, 0)[0]
-    assert common.get_batch(args, env, 3, 1)[0].untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    first = get_batch(args, env, 3, 0)[0]
+    assert get_batch(args, env, 3, 1)[0].untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -182,7 +183,7 @@ def fp32_sum_of_bf16_micro_grads(argv):
     model = common.GPT(common.model_config(args), seed=args.seed).to(torch.bfloat16)
     total = {}
     for micro in range(args.grad_accum):
-        x, y = common.get_batch(args, env, 0, micro)
+        x, y = get_batch(args, env, 0, micro)
         (model(x, y) / args.grad_accum).backward()
         for name, p in model.named_parameters():
             total[name] = p.grad.float() if name not in total else total[name] + p.grad.float()
@@ -226,7 +227,7 @@ def first_step_gradients(lesson, argv):
     inner = opt.optim if lesson == "05_zero2" else opt
     inner.step = capture
     for micro in range(args.grad_accum):
-        x, y = common.get_batch(args, env, 0, micro)
+        x, y = get_batch(args, env, 0, micro)
         (model(x, y) / args.grad_accum).backward()  # (05's and 06's reduce-scatters end inside it)
     opt.step()
     return {name: grads[p] for name, p in names.named_parameters()}

@@ -2,19 +2,22 @@
 
     make timelines            # or: .venv/bin/python -m scripts.perf.timelines [--out docs/figures]
 
-Each run passes `--trace DIR` (measure.Run: a torch.profiler trace per rank that opens in
+Each run passes `--trace DIR` (a torch.profiler trace per rank that opens in
 https://ui.perfetto.dev, and DIR/timeline.png) and reads the overlap the run measured
 (`comm.overlap` in its report: communication time from issue to completion, the part the main
 thread spent blocked waiting for it, and the share hidden behind computation). The charts for
 01, 03 (4 buckets), 06 and 06 without prefetch are copied to OUT/timeline_<run>.png.
-Every `--trace DIR` run lays its step out with timeline() and draws DIR/timeline.png with
-plot_timeline() (measure.Run imports them then: matplotlib is a tool's dependency, not a lesson's).
+What `--trace DIR` does in any lesson's run is Trace below: measure.Run makes one only then
+(matplotlib, and the profiler, are a tool's dependencies, not a lesson's).
 """
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
+import time
+from contextlib import contextmanager
 
 from scripts.runs import ROOT, launch
 
@@ -31,20 +34,82 @@ RUNS = [  # (label, lesson, extra flags, chart name or None)
 FLAGS = ["--steps", "6", "--measure-step", "4", "--log-every", "100", "--peak-params", "0"]
 
 
-def timeline(meter):
+class Trace:
+    """`--trace DIR`, for measure.Run: over the measured step, torch.profiler (DIR/trace_rank{r}.json)
+    and the phases, each loss.backward() and optimizer.step() timed; on CUDA, where the CPU clock
+    cannot see NCCL overlap, the overlap from the trace's kernel times (gpu_overlap). Rank 0 then
+    draws every rank's step: DIR/timeline.png."""
+
+    def __init__(self, run):
+        self.run, self.phases, self.gpu_overlap = run, [], None  # phases: [name, start, end]
+
+    def timed(self, phase, fn):
+        def timed_fn(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.phases.append([phase, t0, time.perf_counter()])
+            return out
+        return timed_fn
+
+    @contextmanager
+    def measuring(self):
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        run, backward, step = self.run, torch.Tensor.backward, self.run.optimizer.step
+        # outside Run's memory probe, which wraps this step: the phase leaves its sampling out
+        torch.Tensor.backward, run.optimizer.step = self.timed("backward", backward), self.timed("optimizer", step)
+        os.makedirs(run.args.trace, exist_ok=True)
+        try:
+            with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * run.cuda) as prof:
+                yield
+        finally:
+            torch.Tensor.backward, run.optimizer.step = backward, step
+        path = os.path.join(run.args.trace, f"trace_rank{run.env.rank}.json")
+        prof.export_chrome_trace(path)
+        if run.cuda:
+            self.gpu_overlap = gpu_overlap(path)
+
+    def timeline(self):
+        return timeline(self.run.comm, self.phases)
+
+    def plot(self, timelines, strategy):
+        if None not in timelines:  # NCCL: no rank's step on the CPU clock
+            plot_timeline(timelines, strategy, f"{self.run.args.trace}/timeline.png")
+
+
+def gpu_overlap(trace_path):
+    """Overlap on a GPU, from a torch.profiler trace of the measured step: comm = the time NCCL
+    kernels ran, exposed = the part of it with no other kernel running beside them (the GPU's
+    compute did not hide it), hidden share = 1 - exposed / comm. None if the trace has none."""
+    from comm_meter import _union  # (imports torch: only where a run is traced)
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("cat") == "kernel" and "dur" in e]
+    comm = [(a, b) for name, a, b in kernels if "nccl" in name.lower()]
+    compute = [(a, b) for name, a, b in kernels if "nccl" not in name.lower()]
+    if not comm:
+        return None
+    total = _union(comm)
+    hidden = total + _union(compute) - _union(comm + compute)  # |comm & compute|
+    return {"comm_ms": total / 1e3, "exposed_ms": (total - hidden) / 1e3,  # trace times are in us
+            "hidden_share": hidden / total, "source": "GPU kernel times (profiler)"}
+
+
+def timeline(meter, phases=()):
     """A comm_meter.CommMeter's measured step, laid out for the chart in ms from its start: the
-    collectives [kind, start, end], the main thread's blocked intervals, and the phases, forward =
-    from the step's start, or the last backward's end, to a backward. None where the CPU clock
-    means nothing (NCCL) or nothing was measured."""
+    collectives [kind, start, end], the main thread's blocked intervals, and the phases (Trace's),
+    forward = from the step's start, or the last backward's end, to a backward. None where the
+    CPU clock means nothing (NCCL) or nothing was measured."""
     if meter.window is None or not meter.cpu_timed:
         return None
     start, end = meter.window
     ms = lambda t: (min(t, end) - start) * 1e3
-    phases, last = [], 0.0
-    for name, a, b in meter.phases:  # backward and optimizer never nest: in order of time
-        phases += [["forward", last, ms(a)]] * (name == "backward") + [[name, ms(a), ms(b)]]
+    out, last = [], 0.0
+    for name, a, b in phases:  # backward and optimizer never nest: in order of time
+        out += [["forward", last, ms(a)]] * (name == "backward") + [[name, ms(a), ms(b)]]
         last = ms(b)
-    return {"step_ms": ms(end), "phases": phases,
+    return {"step_ms": ms(end), "phases": out,
             "comm": [[k, ms(a), ms(end if b is None else b)] for k, a, b in meter.spans if a < end],
             "blocked": [[ms(a), ms(b)] for a, b in meter.blocked if a < end]}
 
