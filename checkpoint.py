@@ -2,11 +2,8 @@
 
 Each rank writes what it owns as ranges [lo, hi) of ONE parameter's flat values, of one kind: "param"
 (its working dtype), "master" (bf16's fp32 master weights) or AdamW's "exp_avg", "exp_avg_sq" (with
-its step count). Loading checks that every parameter is covered exactly once and fills whatever the
-NEW layout gives this rank (reshard.py): another world size is the same code as the same one. A
-strategy says what it holds with `checkpoint_shards(names) -> [FlatShard, ...]`. DIR/step_000040/
-holds rank{r}.pt, meta.json (rank 0: config, step, layout) and COMPLETE (rank 0, after every file);
-each file is written to a temporary name and renamed, so a crash leaves the last checkpoint whole.
+its step count); loading fills whatever the NEW layout gives this rank (reshard.py). A strategy says
+what it holds with `checkpoint_shards(names) -> [FlatShard, ...]`.
 """
 import glob
 import json
@@ -75,7 +72,7 @@ def save(path, step, module, holder, meta):
     _write_atomic(os.path.join(path, f"rank{rank}.pt"), lambda f: torch.save(
         {"format": FORMAT, "save_id": save_id[0], "rank": rank, "step": step, "entries": entries, "rng": rng}, f))
     layouts = [None] * dist.get_world_size()
-    dist.all_gather_object(layouts, [[e["name"], e["kind"], e["lo"], e["hi"]] for e in entries])  # a barrier too
+    dist.all_gather_object(layouts, _layout(entries))  # a barrier too
     if rank == 0:
         first = {p: n for n, p in module.named_parameters()}  # aliases: tied names (lm_head -> wte)
         meta = {**meta, "format": FORMAT, "save_id": save_id[0], "step": step, "world_size": len(layouts),
@@ -87,6 +84,11 @@ def save(path, step, module, holder, meta):
         _write_atomic(os.path.join(path, "meta.json"), lambda f: f.write(text.encode()))
         _write_atomic(os.path.join(path, "COMPLETE"), lambda f: f.write(b"ok\n"))
         _prune(os.path.dirname(path))
+
+
+def _layout(entries):
+    """A rank file's entries as meta.json's layout lists them: [name, kind, lo, hi] each."""
+    return [[e["name"], e["kind"], e["lo"], e["hi"]] for e in entries]
 
 
 def _steps(root, complete=False):
@@ -136,7 +138,7 @@ def read(path, check=None):
         except Exception as e:
             raise CheckpointError(f"{file} is unreadable (truncated or corrupt): {str(e).splitlines()[0]}") from None
         if saved.get("save_id") != meta.get("save_id") or saved["step"] != meta["step"] \
-                or [[e["name"], e["kind"], e["lo"], e["hi"]] for e in saved["entries"]] != layout:
+                or _layout(saved["entries"]) != layout:
             raise CheckpointError(f"{file} does not belong to this checkpoint (another save wrote it)")
         meta["rng"].append(saved["rng"])
         for e in saved["entries"]:

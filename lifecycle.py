@@ -46,34 +46,30 @@ def fail(message, code=2):
 HEARTBEAT_S = 1.0
 WATCHDOG_S = 10.0
 _heartbeat = None
+# One line per rank: the first thread to see the failure takes this lock and reports it; a later
+# one (a SIGTERM during the report included) leaves the exit to it.
+_failure = threading.Lock()
+# Where the heartbeat beats: the launch's store, world size and this rank (they stay when
+# scripts/perf/sweep.py re-forms the default group over fewer ranks, with a store of its own).
+_store = _world = _rank = None
 
 
 def start_heartbeat(rank, watch=False, after_s=WATCHDOG_S):
-    global _heartbeat
+    global _heartbeat, _store, _world, _rank
     if _heartbeat is not None and _heartbeat.is_alive():  # main() run again in one process (tests)
         return
-    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
-    seen = {}  # rank -> (last counter value, when it last moved)
-
-    def lost_now():
-        now = time.monotonic()
-        for r in range(world):
-            count = store.add(f"heartbeat/{r}", 0)
-            if r not in seen or seen[r][0] != count:
-                seen[r] = (count, now)
-        return [r for r in range(world) if r != rank and now - seen[r][1] > after_s
-                and not store.check([f"stopping/{r}"]) and not store.check([f"done/{r}"])]
+    _store, _world, _rank = dist.distributed_c10d._get_default_store(), dist.get_world_size(), rank
+    moved = {}
 
     def beat():
         while True:
             try:
-                store.add(f"heartbeat/{rank}", 1)
-                lost = lost_now() if watch else []
+                _store.add(f"heartbeat/{rank}", 1)
+                lost = _stopped_beating(moved, after_s) if watch else []
             except Exception:  # the store is gone: the failure path reports it
                 return
-            if lost and _claim_failure():
-                say(f"error (rank {rank}): lost rank {', '.join(map(str, lost))} (no heartbeat for "
-                    f"{after_s:.0f} s); this rank stops too")
+            if lost and _failure.acquire(blocking=False):
+                say(f"error (rank {rank}): {_named(lost, after_s)}; this rank stops too")
                 _leave(1)
             time.sleep(HEARTBEAT_S)
 
@@ -81,31 +77,37 @@ def start_heartbeat(rank, watch=False, after_s=WATCHDOG_S):
     _heartbeat.start()
 
 
-_failure = threading.Lock()  # held by the one thread that reports this rank's failure
-
-
-def _claim_failure():
-    """True for the first caller only: one line per rank, from whichever thread sees the failure
-    first (a later one, a SIGTERM during the report included, leaves the exit to it)."""
-    return _failure.acquire(blocking=False)
+def _stopped_beating(moved, for_s):
+    """The other ranks whose heartbeat counter has stood still for for_s seconds, by `moved`
+    (rank -> (counter, when it last moved), updated here), less those whose silence is no
+    failure: done/ (left on purpose) and stopping/ (stopped by the launcher, as this rank may be)."""
+    now = time.monotonic()
+    for r in range(_world):
+        count = _store.add(f"heartbeat/{r}", 0)  # add 0: read a counter without blocking
+        if r not in moved or moved[r][0] != count:
+            moved[r] = (count, now)
+    return [r for r, (_, t) in moved.items() if r != _rank and now - t >= for_s
+            and not _store.check([f"stopping/{r}"]) and not _store.check([f"done/{r}"])]
 
 
 def lost_ranks(stopping=False):
-    """The ranks whose heartbeat stopped, watched for three beats; None if the store itself is
-    unreachable (then the rank or launcher that hosted it, rank 0's node, is the one lost).
-    stopping: this rank was told to stop (SIGTERM) and says so first, so that peers stopped
-    with it are not reported as lost when its heartbeat ends."""
+    """After a failure, the ranks whose heartbeat stood still for three beats; None if the store
+    itself is unreachable (then the rank or launcher that hosted it, rank 0's node, is the one
+    lost). stopping: this rank was told to stop (SIGTERM) and says so first, so that peers
+    stopped with it are not reported as lost when its heartbeat ends."""
     try:
-        store = dist.distributed_c10d._get_default_store()
         if stopping:
-            store.set(f"stopping/{dist.get_rank()}", "")
-        keys = [f"heartbeat/{r}" for r in range(dist.get_world_size())]
-        before = [store.add(k, 0) for k in keys]  # add 0: read a counter without blocking
+            _store.set(f"stopping/{_rank}", "")
+        moved = {}
+        _stopped_beating(moved, 3 * HEARTBEAT_S)  # the first reading
         time.sleep(3 * HEARTBEAT_S)
-        return [r for r, k in enumerate(keys)
-                if store.add(k, 0) == before[r] and not store.check([f"stopping/{r}"])]
+        return _stopped_beating(moved, 3 * HEARTBEAT_S)
     except Exception:
         return None
+
+
+def _named(lost, seconds):
+    return f"lost rank {', '.join(map(str, lost))} (no heartbeat for {seconds:.0f} s)"
 
 
 def exit_process(code=0):
@@ -114,8 +116,8 @@ def exit_process(code=0):
     After a failure the group is not destroyed (that waits for peers, and one may be dead)."""
     if dist.is_initialized() and code == 0:
         try:
-            if dist.get_world_size() > 1:
-                leaving_on_purpose(dist.distributed_c10d._get_default_store(), dist.get_rank())
+            if _store is not None:  # the others watch this rank's heartbeat
+                leaving_on_purpose(_store, _rank)
             dist.destroy_process_group()
         except Exception:  # a peer already gone: nothing left to tear down politely
             pass
@@ -143,11 +145,11 @@ def _leave(code):
 def run_main(main):
     """Run a lesson's main(): a clean one-line error for expected failures, then a clean exit."""
     def stopped(signum, frame):  # torchrun stops the other ranks with SIGTERM when one fails
-        if not _claim_failure():  # this rank is already naming the lost peer; it exits when done
-            return                # (torchrun waits 30 s before it sends SIGKILL)
+        if not _failure.acquire(blocking=False):  # this rank is already naming the lost peer;
+            return  # it exits when done (torchrun waits 30 s before it sends SIGKILL)
         # The heartbeats live in torchrun's store, which outlives its workers: name who is gone.
-        lost = lost_ranks(stopping=True) if dist.is_initialized() and dist.get_world_size() > 1 else None
-        why = (f"lost rank {', '.join(map(str, lost))} (no heartbeat for {3 * HEARTBEAT_S:.0f} s)" if lost
+        lost = lost_ranks(stopping=True) if _store is not None else None
+        why = (_named(lost, 3 * HEARTBEAT_S) if lost
                else "every rank is still beating, so the stop came from outside the job" if lost == []
                else "most likely because another rank failed")
         say(f"error (rank {os.environ.get('RANK', '0')}): stopped by the launcher (SIGTERM): {why}; "
@@ -162,17 +164,16 @@ def run_main(main):
     except Exception as e:  # e.g. a peer lost, a timeout: one line per rank, not a traceback
         if os.environ.get("DP_DEBUG"):
             raise
-        if not _claim_failure():  # the heartbeat thread is already reporting (and ending) this rank
-            while True:
-                time.sleep(1)
+        if not _failure.acquire(blocking=False):  # the heartbeat thread is already reporting
+            threading.Event().wait()               # (and ending) this rank
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         collective = isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError)
-        if collective and dist.is_initialized() and dist.get_world_size() > 1:
+        if collective and _store is not None:
             lost = lost_ranks()  # a failed collective: say which peer is gone, if one is
             if lost is None:
                 first = f"lost rank 0 (its rendezvous store is unreachable); {first}"
             elif lost:
-                first = f"lost rank {', '.join(map(str, lost))} (no heartbeat for {3 * HEARTBEAT_S:.0f} s); {first}"
+                first = f"{_named(lost, 3 * HEARTBEAT_S)}; {first}"
         say(f"error (rank {os.environ.get('RANK', '0')}): {type(e).__name__}: {first} (DP_DEBUG=1 shows the traceback)")
         exit_process(1)
     exit_process(0)

@@ -1,8 +1,7 @@
 """Resharding, the arithmetic that makes a checkpoint's world size not matter (checkpoint.py
-writes and reads the files). A rank's state is a list of FlatShards: ranges of the model's
-parameters laid back to back, flat. A checkpoint holds, per parameter and kind, pieces [lo, hi)
-that together cover it exactly once; `stage` builds from them the values any layout gives this
-rank (its shard under N' ranks, or the whole parameter), without touching a live tensor.
+writes and reads the files; docs/checkpoints.md). A rank's state is a list of FlatShards: ranges
+of the model's parameters laid back to back, flat. `stage` builds, from a checkpoint's pieces of
+each parameter, the values any layout gives this rank (its shard under N' ranks, or the whole).
 """
 from dataclasses import dataclass
 
