@@ -65,9 +65,6 @@ class Ring:
         # GOAL: afterwards chunks[r] holds chunk r summed over all N ranks (other chunks may hold
         #       partial sums). Neighbour to neighbour only: N - 1 steps, every rank sending one chunk
         #       a step to its right, all at once: (N-1)/N of the tensor per rank in all.
-        # TODO: at each step s = 0 .. n - 2, exchange chunks[(r - s - 1) % n] for `incoming` (which
-        #       holds chunk (r - s - 2) % n from the left) and add it into that chunk. After the
-        #       last step chunks[r] holds all N ranks' terms.
         for s in range(n - 1):
             self._exchange(chunks[(r - s - 1) % n], incoming)
             chunks[(r - s - 2) % n] += incoming
@@ -83,8 +80,6 @@ class Ring:
         # ### BEGIN SOLUTION: ring all-gather
         # GOAL: afterwards chunks[i] holds rank i's chunk, for every i, on every rank. Neighbour
         #       to neighbour only: N - 1 steps, every rank sending one chunk a step to its right.
-        # TODO: at each step s = 0 .. n - 2, exchange chunks[(r - s) % n] (sent) for chunks[(r - s - 1) % n]
-        #       (received in place): each chunk moves on one hop a step.
         for s in range(n - 1):  # pass each chunk on, one hop a step
             self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
         # ### END SOLUTION

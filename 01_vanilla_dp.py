@@ -28,6 +28,7 @@ import ddp
 import lifecycle
 import measure
 import optimizers
+from model import get_batch
 
 
 # ----------------------------------------------------------------------------- the strategy
@@ -58,9 +59,6 @@ class VanillaDP(ddp.Replicated):
         # GOAL: afterwards every rank's p.grad holds the global-batch mean gradient, in place, for
         #       every parameter that has a gradient (a None stays None); one collective per
         #       parameter, blocking.
-        # TODO: for every parameter of self.module that has a gradient (skip p.grad None),
-        #       make p.grad the mean over ranks, in place: divide by self.world_size, then
-        #       dist.all_reduce it (blocking, ReduceOp.SUM).
         for p in self.module.parameters():
             if p.grad is None:  # frozen, or unused in this forward on every rank
                 continue
@@ -86,7 +84,7 @@ def main(argv=None):
     for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
-                x, y = common.get_batch(args, env, step, micro)
+                x, y = get_batch(args, env, step, micro)
                 # Only the last micro-step's backward averages (nanoGPT toggles DDP's flag the
                 # same way rather than wrap the other micro-steps in `with model.no_sync():`).
                 model.require_backward_grad_sync = micro == args.grad_accum - 1

@@ -24,6 +24,7 @@ import ddp
 import lifecycle
 import measure
 import optimizers
+from model import get_batch
 
 
 # ----------------------------------------------------------------------------- the strategy
@@ -59,9 +60,6 @@ class AsyncAllReduceDP(ddp.Replicated):
         # ### BEGIN SOLUTION: launch the gradient's all-reduce
         # GOAL: start averaging p.grad over the ranks, in place, without blocking backward: one
         #       collective per gradient, launched now; keep in self.handles what finishing it needs.
-        # TODO: divide p.grad by self.world_size in place, then start its all-reduce without
-        #       waiting (dist.all_reduce(..., async_op=True)) and append the returned work
-        #       handle to self.handles.
         p.grad.div_(self.world_size)
         self.handles.append(dist.all_reduce(p.grad, async_op=True))  # returns at once
         # ### END SOLUTION
@@ -70,7 +68,6 @@ class AsyncAllReduceDP(ddp.Replicated):
         # ### BEGIN SOLUTION: wait for the all-reduces
         # GOAL: when this returns, every collective launched this step has completed (each p.grad is
         #       the global-batch mean) and self.handles is ready for the next step.
-        # TODO: wait for every work handle in self.handles, then empty the list for the next step.
         for work in self.handles:  # the optimizer must not read a gradient still in flight
             work.wait()
         self.handles.clear()
@@ -94,7 +91,7 @@ def main(argv=None):
     for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
-                x, y = common.get_batch(args, env, step, micro)
+                x, y = get_batch(args, env, step, micro)
                 # Only the last micro-step's hooks launch (nanoGPT toggles this flag the same way
                 # rather than wrap the other micro-steps in DDP's `no_sync()`).
                 model.require_backward_grad_sync = micro == args.grad_accum - 1

@@ -29,6 +29,7 @@ import lifecycle
 import measure
 import optimizers
 from bucket import BucketManager
+from model import get_batch
 
 
 # ----------------------------------------------------------------------------- the strategy
@@ -65,9 +66,6 @@ class BucketedDP(ddp.Replicated):
         # GOAL: start averaging the whole bucket (bucket.buffer: its gradients, at once) over the
         #       ranks, in place, without blocking: one collective per bucket. Return its handle: the
         #       BucketManager completes it at the end of backward.
-        # TODO: average the whole bucket at once: divide bucket.buffer (numel,) by
-        #       self.world_size in place, start one async all-reduce of it and return its work
-        #       handle (the BucketManager waits for it in finish()).
         bucket.buffer.div_(self.world_size)  # (numel,) every gradient of the bucket at once
         return dist.all_reduce(bucket.buffer, async_op=True)  # one call per bucket
         # ### END SOLUTION
@@ -95,7 +93,7 @@ def main(argv=None):
     for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
-                x, y = common.get_batch(args, env, step, micro)
+                x, y = get_batch(args, env, step, micro)
                 # Only the last micro-step's hooks launch (nanoGPT toggles this flag the same way
                 # rather than wrap the other micro-steps in DDP's `no_sync()`).
                 model.require_backward_grad_sync = micro == args.grad_accum - 1

@@ -33,6 +33,7 @@ import common
 import lifecycle
 import measure
 import optimizers
+from model import get_batch
 
 
 # ----------------------------------------------------------------------------- the strategy
@@ -92,8 +93,6 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # ### BEGIN SOLUTION: my shard of the flat buffer
         # GOAL: self.param_shard is this rank's slice (slice number self.rank, shard_numel elements) of
         #       self.flat_param, sharing its memory: updating the shard updates the parameters.
-        # TODO: set self.param_shard to slice number self.rank of self.flat_param, shard_numel
-        #       elements long: a view (no copy), so updating it updates the parameters.
         start = self.rank * shard_numel
         self.param_shard = self.flat_param[start:start + shard_numel]  # (numel_padded / N,), a view
         # ### END SOLUTION
@@ -126,9 +125,6 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # GOAL: grad_shard, shaped like self.param_shard, holds my slice of the global-batch mean of
         #       self.flat_grad; one collective that sends (N-1)/N of the buffer per rank (half what
         #       an all-reduce sends).
-        # TODO: divide self.flat_grad (numel_padded,) by self.world_size in place, then
-        #       reduce-scatter it (dist.reduce_scatter_tensor) into a new tensor grad_shard
-        #       shaped like self.param_shard.
         self.flat_grad.div_(self.world_size)
         grad_shard = torch.empty_like(self.param_shard)  # (numel_padded / N,)
         dist.reduce_scatter_tensor(grad_shard, self.flat_grad)
@@ -150,9 +146,6 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # ### BEGIN SOLUTION: 3) all-gather the parameters
         # GOAL: afterwards self.flat_param holds every rank's updated slice, on every rank, in the
         #       working precision; my slice comes from self.master_shard; one collective.
-        # TODO: copy self.master_shard into self.param_shard (casts to the working precision),
-        #       then all-gather every rank's param_shard into self.flat_param
-        #       (dist.all_gather_into_tensor).
         self.param_shard.copy_(self.master_shard)
         dist.all_gather_into_tensor(self.flat_param, self.param_shard)
         # ### END SOLUTION
@@ -204,7 +197,7 @@ def main(argv=None):
     for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
-                x, y = common.get_batch(args, env, step, micro)
+                x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
                 loss.backward()  # gradients accumulate locally, in the flat buffer
                 losses.append(loss)

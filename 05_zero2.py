@@ -43,6 +43,7 @@ import lifecycle
 import measure
 import optimizers
 from bucket import BucketManager
+from model import get_batch
 
 
 # ----------------------------------------------------------------------------- the strategy
@@ -133,10 +134,6 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         # GOAL: start, without blocking, the collective that leaves my slice (numel_padded / N
         #       elements) of the bucket's global-batch mean gradient in a new tensor of the bucket's
         #       dtype and device, kept in self.grad_shards_in_flight[bucket.index]; return its handle.
-        # TODO: divide bucket.buffer (numel_padded,) by self.world_size in place; allocate
-        #       grad_shard (numel_padded / N,) of the bucket's dtype and device, record it in
-        #       self.grad_shards_in_flight[bucket.index], and return the work handle of an async
-        #       dist.reduce_scatter_tensor into it.
         bucket.buffer.div_(self.world_size)
         grad_shard = torch.empty(bucket.numel_padded // self.world_size, dtype=bucket.dtype,
                                  device=bucket.device)  # (numel_padded / N,)
@@ -151,9 +148,6 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         # GOAL: self.grad_shards[bucket.index] holds my slice of this step's gradient summed over the
         #       micro-steps so far (later micro-steps accumulate in fp32); nothing of this bucket is
         #       left in flight and its full-size buffer is released.
-        # TODO: take this bucket's reduce-scattered shard out of self.grad_shards_in_flight;
-        #       store it in self.grad_shards[bucket.index], or, if a micro-step already left
-        #       one, add it there in fp32; then drop the full-size buffer (set the bucket's buffer to None).
         grad_shard = self.grad_shards_in_flight.pop(bucket.index)
         if self.grad_shards[bucket.index] is None:
             self.grad_shards[bucket.index] = grad_shard
@@ -231,7 +225,7 @@ def main(argv=None):
     for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
-                x, y = common.get_batch(args, env, step, micro)
+                x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
                 loss.backward()  # 1) each bucket is reduce-scattered as soon as it is full, every
                 losses.append(loss)  # micro-step (no full gradient is kept); waited for at its end

@@ -1,12 +1,11 @@
 """Lesson 06: ZeRO-3. Shard the parameters too: gather each unit just in time, free it after.
 
-ZeRO-2 (05) still keeps every parameter on every rank: 2 Psi bytes in bf16, the one model state
-it does not divide by N. ZeRO-3 (Rajbhandari et al. 2020, "P_os+g+p", PyTorch's FSDP) divides
-it too. The model is cut into units (here each transformer block, plus a root unit holding the
-tied embedding/output head, the position embedding and the final norm); each unit's parameters
-are flattened into one buffer, padded to a multiple of N and split into N shards. At rest rank r
-holds shard r of every unit and nothing else: its parameters, gradients and optimizer state are
-all Psi / N. A unit's full parameters exist only while it computes:
+ZeRO-2 (05) still keeps every parameter on every rank, 2 Psi bytes in bf16. ZeRO-3 (Rajbhandari
+et al. 2020, "P_os+g+p"; PyTorch's FSDP) divides them too. The model is cut into units (each
+transformer block, plus a root unit holding the tied embedding/head, the position embedding and
+the final norm); each unit's parameters are one flat buffer, padded to a multiple of N and split
+into N shards. At rest rank r holds shard r of every unit and nothing else: its parameters,
+gradients and optimizer state are all Psi / N. A unit is whole only while it computes:
 
     # 1) all-gather unit i           (issued one unit early: the prefetch, --prefetch 1)
     # 2) forward unit i
@@ -16,19 +15,10 @@ all Psi / N. A unit's full parameters exist only while it computes:
     # 6) the optimizer on my shards (nothing to all-gather after it: the next forward gathers)
 
 Each step gathers every parameter twice and reduce-scatters every gradient once: 3 Psi (N-1)/N
-elements sent per rank, 1.5x what 01-05 send, for memory that shrinks with every rank added.
-During the step a rank also holds the root (its layers run first and last, so it stays gathered
-through each pass), the unit computing and, with prefetch, the next one.
-Gradient accumulation cannot save communication here: no rank holds a unit's full parameters or
-gradient between micro-steps, so every micro-step gathers and reduce-scatters (adding into my
-grad shard): K micro-steps send 3 K Psi (N-1)/N.
-
-Shaped like FSDP2: `model.parameters()` are my shards, so the caller builds any optimizer over
-them; mixed precision is a policy. My shards stay in the parameters' own dtype (fp32): they are
-the master weights the optimizer updates. Each all-gather casts them to param_dtype (bf16) for
-forward and backward, and each reduce-scatter runs in reduce_dtype. At rest that is 4 + 4 + 8
-bytes per parameter (fp32 shards, fp32 gradient shards, Adam's two moments), all / N: the ZeRO
-paper's 2 + 2 + 12, with the master copy being the parameters themselves.
+elements sent per rank, 1.5x what 01-05 send (3 K Psi with K micro-steps: no rank holds a whole
+gradient to accumulate into). Shaped like FSDP2: `parameters()` are my shards, fp32, the master
+weights any torch.optim optimizer updates; a MixedPrecisionPolicy casts them to param_dtype in
+each all-gather and reduce-scatters in reduce_dtype. At rest: (4 + 4 + 8) Psi / N bytes.
 
     python 06_zero3.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 06_zero3.py                  # 2 ranks on CPU (gloo)
@@ -38,36 +28,26 @@ paper's 2 + 2 + 12, with the master copy being the parameters themselves.
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 06_zero3.py         # 2 nodes, run on each
 
-PyTorch: FSDP2 `fully_shard(block)` for each block, then `fully_shard(model)`, with
-reshard_after_forward=True (FSDP1: ShardingStrategy.FULL_SHARD); DeepSpeed: ZeRO stage 3.
+PyTorch: FSDP2 `fully_shard(block)` for each block, then `fully_shard(model)` (FSDP1:
+ShardingStrategy.FULL_SHARD); DeepSpeed: ZeRO stage 3.
 """
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP2's own (param_dtype, reduce_dtype)
 
 import checkpoint
 import common
 import lifecycle
 import measure
 import optimizers
-from model import GPT, init_parameters
+from model import GPT, get_batch, init_parameters
 
 
 # ----------------------------------------------------------------------------- the strategy
-@dataclass
-class MixedPrecisionPolicy:
-    """FSDP2's (torch.distributed.fsdp.MixedPrecisionPolicy, which ZeRO3 takes as well).
-    param_dtype: what the all-gathers deliver and forward and backward compute in; reduce_dtype:
-    what the gradients are reduce-scattered in (default: param_dtype). None: the parameters'
-    own dtype. The shards, the optimizer and the gradient shards keep the parameters' dtype."""
-    param_dtype: torch.dtype = None
-    reduce_dtype: torch.dtype = None
-
-
 class Unit:
     """Some parameters flattened into one buffer, padded to a multiple of N, cut in N shards.
 
@@ -92,17 +72,13 @@ class Unit:
         self.flat_param = torch.zeros(self.numel_padded, dtype=params[0].dtype, device=device)  # padding: 0
         self.params, self.offsets, self.replaced, offset = [], [], {}, 0
         for old in params:
-            # NOTE (the version-counter trap). Autograd saves the weights a backward needs and
-            # stamps each with its tensor's version counter, which every in-place write bumps. We
-            # free the buffer after forward and all-gather it again before backward: an in-place
-            # write. Were the parameter a view of flat_param (nn.Parameter(view) is one) it would
-            # share flat_param's counter, and backward would fail: "modified by an inplace
-            # operation". Assigning `.data` instead gives the parameter flat_param's memory but
-            # its own counter, so the collectives write through flat_param and leave the
-            # parameter's counter alone. That is sound, not a trick: what we write back is bit
-            # for bit what autograd saved (the same shards; the optimizer changes them only after
-            # backward). FSDP2 tells autograd the same with _unsafe_preserve_version_counter.
-            # (A new Parameter for every tensor, as a meta tensor's .data cannot be made real.)
+            # The version-counter trap: autograd stamps each weight it saves for backward with its
+            # tensor's version counter, and gathering a freed unit again is an in-place write. A
+            # parameter that is a view of flat_param shares its counter, and backward would fail
+            # ("modified by an inplace operation"); assigning `.data` gives p flat_param's memory
+            # but a counter of its own. Sound: what we write back is bit for bit what autograd
+            # saved. (FSDP2: _unsafe_preserve_version_counter. A new Parameter for every tensor:
+            # a meta tensor's .data cannot be made real.)
             p = nn.Parameter(torch.empty(0, dtype=old.dtype, device=device), old.requires_grad)
             p.data = self.flat_param[offset:offset + old.numel()].view(old.shape)
             if not old.is_meta:
@@ -143,7 +119,7 @@ class ZeRO3(nn.Module):
     module         a plain nn.Module; its parameters may be on the meta device (no memory)
     units          submodules gathered, freed and reduced one at a time, listed in the order
                    forward runs them; every other parameter (a tied one too) is the root's
-    mp_policy      MixedPrecisionPolicy(param_dtype, reduce_dtype) (this one's or FSDP2's)
+    mp_policy      FSDP2's MixedPrecisionPolicy: its param_dtype and reduce_dtype
     param_init_fn  param_init_fn(submodule, prefix) initialises one unit of a meta module in
                    place once its memory exists; prefix is its name ("" for the root)
     prefetch       issue the next unit's all-gather while the current one computes
@@ -161,6 +137,8 @@ class ZeRO3(nn.Module):
 
     def __init__(self, module, units=(), mp_policy=None, param_init_fn=None, prefetch=True, device=None,
                  find_unused_parameters=False):
+        if getattr(mp_policy, "output_dtype", None) is not None:
+            raise NotImplementedError("ZeRO3 applies a MixedPrecisionPolicy's param_dtype and reduce_dtype, not output_dtype")
         super().__init__()
         self.module, self.prefetch = module, prefetch
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -216,10 +194,6 @@ class ZeRO3(nn.Module):
         # GOAL: a freed flat_param gets its full memory back and starts filling, without blocking,
         #       with every rank's shard in flat_param's dtype (pending work: unit.gather_work). With
         #       `wait` set, flat_param is complete when this returns and nothing is pending.
-        # TODO: if flat_param's storage is freed (size 0), give it numel x element_size bytes
-        #       again and start an async dist.all_gather_into_tensor of unit.shard, cast to
-        #       flat_param's dtype, into it, kept in unit.gather_work. Then, if `wait`, wait
-        #       for unit.gather_work and set it to None.
         if flat_param.untyped_storage().size() == 0:
             flat_param.untyped_storage().resize_(flat_param.numel() * flat_param.element_size())
             my_shard = unit.shard.to(flat_param.dtype)  # param_dtype (fp32: the shard itself)
@@ -234,8 +208,6 @@ class ZeRO3(nn.Module):
         # ### BEGIN SOLUTION: free a unit
         # GOAL: afterwards unit.flat_param's memory is released (its storage, not just this tensor),
         #       and never while a collective may still be writing into it.
-        # TODO: wait for unit.gather_work first if one is pending (and set it to None), then
-        #       free unit.flat_param's memory by resizing its untyped storage to 0 bytes.
         if unit.gather_work is not None:  # never free memory a collective is writing into
             unit.gather_work.wait()
             unit.gather_work = None
@@ -301,9 +273,6 @@ class ZeRO3(nn.Module):
         # GOAL: start, without blocking, the collective that leaves my shard_numel elements of the
         #       unit's global-batch mean gradient in a new tensor; record (unit, work, grad_shard) in
         #       self.grads_in_flight for the end of backward.
-        # TODO: divide unit.flat_grad (numel_padded,) by self.world_size in place, start an
-        #       async dist.reduce_scatter_tensor of it into a new grad_shard of shard_numel
-        #       elements, and append (unit, work, grad_shard) to self.grads_in_flight.
         unit.flat_grad.div_(self.world_size)
         grad_shard = unit.flat_grad.new_empty(unit.shard_numel)  # (numel_padded / N,)
         work = dist.reduce_scatter_tensor(grad_shard, unit.flat_grad, async_op=True)
@@ -340,18 +309,6 @@ class ZeRO3(nn.Module):
         """Global-norm clipping over every rank's gradient shards; returns the total norm."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         return optimizers.clip_grad_norm_(grads, max_norm, self.units[0].shard.device)
-
-    @torch.no_grad()
-    def full_parameters(self):
-        """{name: full fp32 tensor}, named as module.named_parameters() names them, on every
-        rank: for checkpoints and tests. (Gathered into new buffers; the shards stay as they are.)"""
-        full = {}
-        for u in self.units:
-            flat = u.shard.new_empty(u.numel_padded)
-            dist.all_gather_into_tensor(flat, u.shard)
-            for p, offset in zip(u.params, u.offsets):
-                full[p] = flat[offset:offset + p.numel()].view(p.shape).float().clone()
-        return {name: full[p] for name, p in self.module.named_parameters()}
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -404,7 +361,7 @@ def main(argv=None):
     for step in range(start, args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
-                x, y = common.get_batch(args, env, step, micro)
+                x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # 1) gather 2) forward 3) free, unit by unit
                 loss.backward()  # 4) gather again 5) reduce-scatter into my shards' .grad, unit by unit
                 losses.append(loss)

@@ -118,9 +118,6 @@ class BucketManager:
         # GOAL: every bucket whose gradients are all ready is launched, in index order with no gap: a
         #       bucket goes only after every lower-index one went, so that all ranks issue the same
         #       collectives in the same order whatever order their gradients arrived in.
-        # TODO: while the bucket at index self.next_to_launch exists and has no pending
-        #       gradient left, launch it with self._launch(bucket) (which advances
-        #       self.next_to_launch). A full bucket behind one still pending must wait its turn.
         while self.next_to_launch < len(self.buckets) and not self.buckets[self.next_to_launch].pending:
             self._launch(self.buckets[self.next_to_launch])
         # ### END SOLUTION

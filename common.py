@@ -1,9 +1,8 @@
 """What every lesson sets up before its algorithm: flags, the device and the process group, the
-model and its data. (DDP's shape for 01-03: ddp.py; the optimizers' side: optimizers.py; a clean
+model (the GPT and its data: model.py). (DDP's shape for 01-03: ddp.py; the optimizers' side: optimizers.py; a clean
 exit and naming a lost rank: lifecycle.py.)
 """
 import argparse
-import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -197,45 +196,3 @@ def build_model(args, env: Dist) -> GPT:
 def n_params(module) -> int:
     """Psi: unique parameters (the tied embedding/head counted once)."""
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
-
-
-@functools.lru_cache(maxsize=4)
-def _successors(seed, vocab_size, k=4):
-    """The data's rule: each token is followed by one of k fixed successors, equally likely."""
-    g = torch.Generator().manual_seed(seed + 12345)
-    return torch.stack([torch.randperm(vocab_size, generator=g)[:k] for _ in range(vocab_size)])
-
-
-def global_batch(seed, step, batch, seq_len, vocab_size):
-    """The whole global batch of step `step`: (batch, seq_len + 1) tokens, the same on every
-    rank and at every world size. The best possible loss is ln(4), the entropy of the rule."""
-    succ = _successors(seed, vocab_size)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(vocab_size, (batch,), generator=g)
-    choice = torch.randint(succ.shape[1], (batch, seq_len), generator=g)
-    for t in range(seq_len):
-        tokens[:, t + 1] = succ[tokens[:, t], choice[:, t]]
-    return tokens
-
-
-_rows = (None, None)  # (which step of which run, this rank's rows of it on the device)
-
-
-def get_batch(args, env: Dist, step, micro):
-    """Rank r of N takes rows r*B/N .. (r+1)*B/N of the global batch, split into micro-steps.
-
-    A step's rows are made and moved to the device once, at its first micro-step; on CUDA from
-    pinned memory with non_blocking=True, so the CPU queues the copy and goes on."""
-    global _rows
-    per_rank = args.global_batch // env.world_size
-    key = (args.seed, step, args.global_batch, args.seq_len, args.vocab_size, env.rank, env.world_size, env.device)
-    if _rows[0] != key:
-        tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
-        mine = tokens[env.rank * per_rank:(env.rank + 1) * per_rank]
-        if env.device.type == "cuda":
-            mine = mine.pin_memory().to(env.device, non_blocking=True)
-        _rows = (key, mine)
-    per_micro = per_rank // args.grad_accum
-    rows = _rows[1][micro * per_micro:(micro + 1) * per_micro]
-    return rows[:, :-1], rows[:, 1:]

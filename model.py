@@ -1,4 +1,4 @@
-"""The small GPT every lesson trains.
+"""The small GPT every lesson trains, and the data it learns from (at the end).
 
 Pre-norm decoder blocks with causal self-attention, learned positions, no dropout, and the token
 embedding tied to the output head as in GPT-2 (so the model has one fewer (V, d) matrix than it
@@ -9,6 +9,7 @@ seeded by the run's seed and the parameter's name. So any subset of the model (o
 block, say) can be initialised on its own and gets exactly the values it would get in the full
 model; ZeRO-3 (06) relies on this to build the model one unit at a time.
 """
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -111,3 +112,46 @@ def init_parameters(module: nn.Module, seed: int, n_layer: int, prefix: str = ""
             std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
             value = torch.randn(p.shape, generator=g) * std
         p.copy_(value)  # generated in fp32 on the CPU, then cast/moved: same values everywhere
+
+
+# ----------------------------------------------------------------------------- the data
+@functools.lru_cache(maxsize=4)
+def _successors(seed, vocab_size, k=4):
+    """The data's rule: each token is followed by one of k fixed successors, equally likely."""
+    g = torch.Generator().manual_seed(seed + 12345)
+    return torch.stack([torch.randperm(vocab_size, generator=g)[:k] for _ in range(vocab_size)])
+
+
+def global_batch(seed, step, batch, seq_len, vocab_size):
+    """The whole global batch of step `step`: (batch, seq_len + 1) tokens, the same on every
+    rank and at every world size. The best possible loss is ln(4), the entropy of the rule."""
+    succ = _successors(seed, vocab_size)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(vocab_size, (batch,), generator=g)
+    choice = torch.randint(succ.shape[1], (batch, seq_len), generator=g)
+    for t in range(seq_len):
+        tokens[:, t + 1] = succ[tokens[:, t], choice[:, t]]
+    return tokens
+
+
+_rows = (None, None)  # (which step of which run, this rank's rows of it on the device)
+
+
+def get_batch(args, env, step, micro):
+    """Rank r of N takes rows r*B/N .. (r+1)*B/N of the global batch, split into micro-steps.
+
+    A step's rows are made and moved to the device once, at its first micro-step; on CUDA from
+    pinned memory with non_blocking=True, so the CPU queues the copy and goes on."""
+    global _rows
+    per_rank = args.global_batch // env.world_size
+    key = (args.seed, step, args.global_batch, args.seq_len, args.vocab_size, env.rank, env.world_size, env.device)
+    if _rows[0] != key:
+        tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
+        mine = tokens[env.rank * per_rank:(env.rank + 1) * per_rank]
+        if env.device.type == "cuda":
+            mine = mine.pin_memory().to(env.device, non_blocking=True)
+        _rows = (key, mine)
+    per_micro = per_rank // args.grad_accum
+    rows = _rows[1][micro * per_micro:(micro + 1) * per_micro]
+    return rows[:, :-1], rows[:, 1:]

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # Which files are graded and where they are read from (this checkout or a student edition):
 # the course kit's own module, tests/graded.py.
 from graded import ROOT, load_lesson  # noqa: E402  (ROOT: also the tests')
+from lessons import zero3_full_parameters  # noqa: E402
 
 
 def _worker(rank, world, port, fn, args, out_dir):
@@ -115,10 +116,11 @@ def once(fn):
 
 def run_lesson(lesson, argv):
     """In a spawned rank: run a lesson's main() with these flags; return what tests compare.
-    A sharded model (06's) is gathered by its full_parameters(); others are read as they are."""
+    A sharded model (06's) is gathered (lessons.zero3_full_parameters); others are read as they are."""
     run = load_lesson(lesson).main(argv)
-    full = next((h.full_parameters for h in run.ledger.roots if hasattr(h, "full_parameters")), None)
-    params = full() if full else {n: p.detach().float().clone() for n, p in run.model.named_parameters()}
+    sharded = next((h for h in run.ledger.roots if hasattr(h, "units")), None)
+    params = (zero3_full_parameters(sharded) if sharded else
+              {n: p.detach().float().clone() for n, p in run.model.named_parameters()})
     return {"losses": run.losses, "params": params, "report": run.final_report}
 
 
@@ -179,6 +181,7 @@ def reference(argv, steps=None):
     what every lesson must reproduce. Uses the same flags, model, data and optimizer."""
     import common
     import optimizers
+    from model import global_batch
     args = common.parse_args(argv)
     # bf16: fp32 master weights from the fp32 initial weights, as every lesson (common.build_model)
     model = common.build_model(args, common.Dist(0, 1, torch.device("cpu"), "gloo"))
@@ -186,7 +189,7 @@ def reference(argv, steps=None):
                                      **optimizers.adamw_kwargs(args))
     losses = []
     for step in range(steps or args.steps):
-        tokens = common.global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
+        tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         optimizers.set_learning_rate(opt, args, step)
@@ -202,6 +205,7 @@ def gpt_train(lesson, argv):
     e.g. PyTorch's DDP on exactly the configuration a lesson's main() runs."""
     import common
     from lessons import build
+    from model import get_batch
     args = common.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
     env = common.Dist(rank, world, torch.device("cpu"), "gloo")
@@ -210,7 +214,7 @@ def gpt_train(lesson, argv):
                     weight_decay=args.weight_decay)
     losses = []
     for step in range(args.steps):
-        batches = [common.get_batch(args, env, step, m) for m in range(args.grad_accum)]
+        batches = [get_batch(args, env, step, m) for m in range(args.grad_accum)]
         loss = torch.tensor(trainer.train_step(batches))
         dist.all_reduce(loss)
         losses.append(loss.item() / world)

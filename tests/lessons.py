@@ -47,6 +47,19 @@ class _Replicated:
         return _named_full(self.module)
 
 
+@torch.no_grad()
+def zero3_full_parameters(z):
+    """{name: full fp32 tensor} of a ZeRO3 (06), on every rank: each unit's shards all-gathered
+    into a new buffer (the unit's own stays freed) and cut at its parameters' offsets."""
+    full = {}
+    for u in z.units:
+        flat = u.shard.new_empty(u.numel_padded)
+        dist.all_gather_into_tensor(flat, u.shard)
+        for p, offset in zip(u.params, u.offsets):
+            full[p] = flat[offset:offset + p.numel()].view(p.shape).float().clone()
+    return {name: full[p] for name, p in z.module.named_parameters()}
+
+
 def adamw(lr):
     return dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
@@ -79,7 +92,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
                 z.clip_grad_norm_(grad_clip)
             opt.step()
             opt.zero_grad()
-        return _FullySharded(z, step=step, full_parameters=z.full_parameters, opt=opt)
+        return _FullySharded(z, step=step, full_parameters=lambda: zero3_full_parameters(z), opt=opt)
     if lesson == "fsdp2":
         return _fsdp2(module, grad_clip, lr, wd)
     if lesson in ("04", "05"):  # kw optimizer_class / optimizer_kwargs: e.g. SGD, which sees gradient scale

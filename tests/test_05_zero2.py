@@ -12,7 +12,7 @@ import memory_ledger
 from graded import load_lesson
 from harness import comm_ops, gpt_train, held, memory_theory, once, run_lesson, sent_bytes, spawn, theory_bytes
 from lessons import build
-from model import GPT
+from model import GPT, get_batch
 from toy import make_toy, toy_reference, toy_sgd_reference, toy_train
 from zero_parity import (ARGV, PSI, SGD, TOL, bf16_close, close, identical, initial_params, optimizer_bytes, ref)
 
@@ -70,7 +70,7 @@ def gradient_peak(argv):
         peak[0] = max(peak[0], ledger.measure()["grads"])
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(sample)
-    x, y = common.get_batch(args, env, 0, 0)
+    x, y = get_batch(args, env, 0, 0)
     model(x, y).backward()  # its last act: wait for the reduce-scatters, keep my slices
     sample()
     return peak[0]

@@ -11,7 +11,7 @@ import common
 import harness
 from graded import load_lesson
 from harness import gpt_train, held, reference, run_lesson, sent_bytes, spawn, theory_bytes
-from lessons import build
+from lessons import build, zero3_full_parameters
 from model import GPT
 from toy import toy_reference, toy_sgd_reference, toy_train
 from zero_parity import held_pieces
@@ -51,7 +51,7 @@ def initial_weights(argv):
     env = common.Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "gloo")
     with harness.PeakAlive() as construction:
         model = load_lesson(LESSON).build_model(args, env)
-    return {"params": model.full_parameters(), "init_peak": construction.peak}
+    return {"params": zero3_full_parameters(model), "init_peak": construction.peak}
 
 
 def poison_all_gathers():

@@ -16,6 +16,7 @@ import graded
 from harness import ROOT, spawn
 
 import scripts.course.student_edition as se
+from scripts.course.grade import graded_files
 from scripts.runs import LESSONS
 
 GRADED = LESSONS + ["bucket"]
@@ -47,14 +48,20 @@ def edition(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- fences
-def test_every_graded_file_has_balanced_fences_with_instructions():
-    for name in GRADED:
-        with open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8") as f:
-            found = se.regions(f.read(), f"{name}.py")  # raises on a bad fence
+def test_every_graded_file_has_balanced_fences_with_a_goal_and_a_recipe():
+    recipes, titles = se.course_file(se.RECIPES), set()
+    fenced = graded_files()  # the lessons 00-06 and bucket.py
+    assert fenced == sorted(["00_collectives.py", *(f"{name}.py" for name in GRADED)])
+    for name in fenced:
+        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            found = se.regions(f.read(), name)  # raises on a bad fence
         assert 1 <= len(found) <= 3, name  # few and meaningful
         for start, end, indent, title, blocks in found:
-            assert title and set(blocks) == {"GOAL", "TODO"}, (name, title)  # both levels
+            assert title and set(blocks) == {"GOAL"}, (name, title)  # the guided recipe: recipes.toml
             assert end > max(after for _, after in blocks.values())  # code after the instructions
+            assert recipes.get(name, {}).get(title, "").strip(), (name, title)
+            titles.add((name, title))
+    assert {(f, t) for f, ts in recipes.items() for t in ts} == titles  # none names a region gone
 
 
 BAD = {  # case: (text, what the error says)
@@ -62,7 +69,7 @@ BAD = {  # case: (text, what the error says)
     "end_alone": ("def f():\n    return 1\n    # ### END SOLUTION\n", "without a BEGIN"),
     "nested": ("def f():\n    # ### BEGIN SOLUTION: a\n    # TODO: y\n    # ### BEGIN SOLUTION: b\n",
                "inside the region opened at line 2"),
-    "no_todo": ("def f():\n    # ### BEGIN SOLUTION: x\n    return 1\n    # ### END SOLUTION\n", "# TODO:"),
+    "no_goal": ("def f():\n    # ### BEGIN SOLUTION: x\n    return 1\n    # ### END SOLUTION\n", "# GOAL:"),
     "misaligned": ("def f():\n    # ### BEGIN SOLUTION: x\n    # TODO: y\n    return 1\n  # ### END SOLUTION\n",
                    "not indented like its BEGIN"),
     "malformed": ("def f():\n    # ### BEGIN SOLUTION\n    return 1\n", "malformed fence"),
@@ -82,33 +89,54 @@ def test_a_bad_fence_is_a_clear_error_naming_file_and_line(case, tmp_path):
     assert se.main(["--check", "--source", str(tmp_path)]) == 1
 
 
-def test_stripping_keeps_fences_and_instructions_and_is_idempotent():
-    text = textwrap.dedent('''\
-        def f(x):
-            y = 1
-            # ### BEGIN SOLUTION: add "one"
-            # TODO: return x + y
-            #       (an int)
-            if x:
-                return x + y
-            return y
-            # ### END SOLUTION
-        ''')
-    stripped = se.strip(text, "f.py")
+GOAL_ONLY = textwrap.dedent('''\
+    def f(x):
+        y = 1
+        # ### BEGIN SOLUTION: add "one"
+        # GOAL: f returns x plus one
+        #       (an int)
+        if x:
+            return x + y
+        return y
+        # ### END SOLUTION
+    ''')
+RECIPE = {'add "one"': "if x is truthy, return x + y (the int x plus one); otherwise return y alone, so that "
+                      "f(0) is one as well"}
+
+
+def test_stripping_writes_the_recipe_or_keeps_the_goal_and_is_idempotent():
+    stripped = se.strip(GOAL_ONLY, "f.py", recipes=RECIPE)  # level guided: the recipe, wrapped to 100
     assert stripped == textwrap.dedent('''\
         def f(x):
             y = 1
             # ### BEGIN SOLUTION: add "one"
-            # TODO: return x + y
-            #       (an int)
+            # TODO: if x is truthy, return x + y (the int x plus one); otherwise return y alone, so that
+            #       f(0) is one as well
             raise NotImplementedError("f.py: add \\"one\\" (see the TODO above)")
             # ### END SOLUTION
         ''')
-    assert se.strip(stripped, "f.py") == stripped
+    assert se.strip(stripped, "f.py", recipes={}) == stripped  # an edition's TODO stays
     scope = {}
     exec(stripped, scope)
     with pytest.raises(NotImplementedError, match=r'^f\.py: add "one" \(see the TODO above\)$'):
         scope["f"](1)
+    standard = se.strip(GOAL_ONLY, "f.py", "standard", recipes={})
+    assert "# GOAL: f returns x plus one\n    #       (an int)\n" in standard and "TODO" not in standard
+    assert 'add \\"one\\" (see the GOAL above)' in standard and se.strip(standard, "f.py", "standard") == standard
+
+
+def test_a_region_without_a_recipe_or_a_recipe_without_a_region_is_refused(tmp_path, monkeypatch, capsys):
+    with pytest.raises(se.FenceError, match=r"^f\.py:3: region 'add \"one\"' has no recipe in "
+                                            r"scripts/course/recipes\.toml \(under \[\"f\.py\"\]\)$"):
+        se.strip(GOAL_ONLY, "f.py", recipes={"add one": "..."})
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f.py").write_text(GOAL_ONLY)
+    monkeypatch.setattr(se, "RECIPES", str(tmp_path / "recipes.toml"))
+    (tmp_path / "recipes.toml").write_text('["f.py"]\n"add \\"one\\"" = "add them"\n"gone" = "was here"\n')
+    assert se.main(["--check", "--source", str(tmp_path / "src")]) == 1
+    assert 'recipes.toml: the recipe ["f.py"] "gone" has no region in f.py' in capsys.readouterr().err
+    (tmp_path / "recipes.toml").write_text('["f.py"]\n"add \\"one\\"" = "add them"\n')
+    assert se.main(["--check", "--source", str(tmp_path / "src")]) == 0
 
 
 # ----------------------------------------------------------------------------- the edition
@@ -120,6 +148,7 @@ def test_edition_is_stripped_and_idempotent(edition, tmp_path):
         assert text == se.strip(solution, f"{name}.py") and "NotImplementedError" in text
     assert not any(p.startswith(os.path.join("docs", "diffs")) for p in first)  # they hold the solutions
     assert "tests/test_assignments.py" not in first  # holds ROOT's solutions to passing
+    assert "scripts/course/recipes.toml" not in first  # its text is in the edition's TODOs already
     assert "ASSIGNMENT.md" in first and "tests/harness.py" in first and "common.py" in first
     assert se.main([edition]) == 0  # again, in place: nothing changes
     assert tree(edition) == first

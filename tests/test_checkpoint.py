@@ -23,7 +23,7 @@ import reshard
 from graded import lesson_file, load_lesson
 from harness import ROOT, reference, run_lesson, spawn
 from lessons import build
-from model import GPT
+from model import GPT, get_batch
 from scripts.learn.consolidate import consolidate
 from toy import BATCH, make_toy, toy_batch
 from zero_parity import close, identical
@@ -131,7 +131,7 @@ def untouched_after_refusals(bad, good):
     messages = {}
     for lesson in ("04", "06"):
         trainer = build(lesson, common.build_model(args, env), lr=args.lr)
-        batch = common.get_batch(args, env, 0, 0)
+        batch = get_batch(args, env, 0, 0)
         trainer.train_step([batch])
         module, holder = handles(lesson, trainer)
         optim = optimizer_of(lesson, trainer)

@@ -114,7 +114,8 @@ def test_no_file_of_the_edition_shows_a_solution_line(editions, level):
 def test_hidden_tests_and_answers_stay_out_of_the_edition_and_setup_goes_in(editions):
     files = _tree(editions["guided"])
     assert not [f for f in files if f.startswith(("tests/hidden/", "docs/diffs/"))]
-    for gone in ("tests/test_course.py", "tests/test_assignments.py", "docs/course.md", "docs/course_answers.md"):
+    for gone in ("tests/test_course.py", "tests/test_assignments.py", "docs/course.md", "docs/course_answers.md",
+                 "scripts/course/recipes.toml"):  # the recipes would name every call at level standard
         assert gone not in files
     for kept in ("Makefile", "scripts/setup.sh", "requirements.txt", "tests/points.toml", "scripts/course/grade.py"):
         assert kept in files
@@ -129,13 +130,18 @@ def test_hidden_tests_and_answers_stay_out_of_the_edition_and_setup_goes_in(edit
 
 
 def test_two_levels_differ_only_in_the_instructions(editions):
+    recipes = se.course_file(se.RECIPES)
     for name in GRADED:
         code = {}
         for level, label in se.LEVELS.items():
             with open(os.path.join(editions[level], f"{name}.py"), encoding="utf-8") as f:
                 text = f.read()
-            for _, _, _, _, blocks in se.regions(text, f"{name}.py"):
+            lines = text.splitlines()
+            for _, _, _, title, blocks in se.regions(text, f"{name}.py"):
                 assert set(blocks) == {label}, (name, level)
+                if level == "guided":  # the recipe, whole: its text, wrapped under '# TODO:'
+                    todo = [re.sub(r"^\s*#( TODO:)?\s+", "", l) for l in lines[slice(*blocks["TODO"])]]
+                    assert " ".join(todo) == _flat(recipes[f"{name}.py"][title]), (name, title)
             code[level] = [l.replace(f"(see the {label} above)", "") for l in text.splitlines()
                            if not l.strip().startswith("#")]
         assert code["guided"] == code["standard"], name

@@ -21,9 +21,11 @@ import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import common
+from model import get_batch
 import optimizers
 from graded import load_lesson
 from harness import once, spawn
+from lessons import zero3_full_parameters
 from zero_parity import ARGV, key_bias_apart  # ARGV: a GPT whose Psi no world size divides
 
 STEPS, ACCUM = 4, 2
@@ -57,7 +59,7 @@ def user_loop(model, opt, batches, zero_grad_to_none=True, scheduler=None, round
 def gpt_and_batches():
     args = common.parse_args(ARGV + ["--grad-accum", str(ACCUM)])
     env = common.Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "gloo")
-    batches = [[common.get_batch(args, env, s, m) for m in range(ACCUM)] for s in range(STEPS)]
+    batches = [[get_batch(args, env, s, m) for m in range(ACCUM)] for s in range(STEPS)]
     return common.GPT(common.model_config(args), seed=args.seed), batches
 
 
@@ -234,7 +236,7 @@ def fully_sharded_runs():
         "fsdp2": (fsdp2, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP),
                   lambda m: {n: p.full_tensor().detach().clone() for n, p in m.named_parameters()}),
         "06": (lambda gpt, mp: ZeRO3(gpt, units=list(gpt.blocks), mp_policy=mp),  # the one line
-               lambda m: m.clip_grad_norm_(CLIP), lambda m: m.full_parameters())}
+               lambda m: m.clip_grad_norm_(CLIP), zero3_full_parameters)}
     gpt, batches = gpt_and_batches()
     policies = {"fp32": MixedPrecisionPolicy(),
                 "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
@@ -289,6 +291,13 @@ def test_fsdp2_loop_runs_06_with_one_line_changed(world, precision):
                         torch.testing.assert_close(g[name], w[name], rtol=0, atol=2 * ADAM_LR * (step + 1), msg=where)
                     else:
                         assert (g[name] - w[name]).norm() <= rtol * w[name].norm(), where
+
+
+def test_fsdp2_policy_field_06_does_not_apply_is_refused():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    ZeRO3 = load_lesson("06_zero3").ZeRO3  # refused before it needs a process group
+    with pytest.raises(NotImplementedError, match="not output_dtype"):
+        ZeRO3(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------- the learning-rate schedule

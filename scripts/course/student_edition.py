@@ -3,33 +3,36 @@
     python -m scripts.course.student_edition student/                   # or: make student-edition OUT=student
     python -m scripts.course.student_edition student/ --level standard  # goals only, no recipe
     python -m scripts.course.student_edition out/ --source student/     # from an edition: the same bytes
-    python -m scripts.course.student_edition --check                    # only check that every fence closes
+    python -m scripts.course.student_edition --check                    # only check the fences and recipes
 
-A solution region is fenced by comments, with its instructions right after BEGIN, two levels of
-them, so readers of the solutions see both:
+A solution region is fenced by comments, with what must hold right after BEGIN:
 
     # ### BEGIN SOLUTION: <short title>
-    # GOAL: <what must hold afterwards, its invariants; no calls named>     (--level standard)
+    # GOAL: <what must hold afterwards, its invariants; no calls named>
     #       <more lines: '#' then at least two spaces>
-    # TODO: <the recipe: which collective, in which order, shapes>          (--level guided)
     <the solution: whole statements at the fence's indentation>
     # ### END SOLUTION
 
-In the edition the solution becomes one line at the fence's indentation,
-`raise NotImplementedError("<file>: <title> (see the TODO above)")` (GOAL at level standard), so
+The guided level's recipes (which collective, in which order, shapes) are course material, in
+recipes.toml by file and title. In the edition the solution becomes one line at the fence's
+indentation, `raise NotImplementedError("<file>: <title> (see the TODO above)")`, after the recipe
+as `# TODO:` lines in place of the GOAL (level standard: the GOAL stays, "see the GOAL above"), so
 every file still imports and a test that reaches the region fails with that message. The fences
-and the level's instructions stay: the student writes between them, and stripping an edition again
-changes nothing. Only top-level *.py files are fenced (the lessons and bucket.py); everything else
-is copied as it is, except what would show the solutions or grade them (SKIP_PATHS: the diffs
-between lessons, the hidden tests, the kit's own tests, the answer key). The output depends only
-on the source's files (no timestamps), so generating twice gives identical bytes.
+and instructions stay: the student writes between them, and stripping an edition again changes
+nothing (its TODOs stay). A region with no recipe, or a recipe with no region, is an error. Only
+top-level *.py files are fenced (the lessons and bucket.py); everything else is copied as it is,
+except what would show the solutions or grade them (SKIP_PATHS: the diffs between lessons, the
+hidden tests, the kit's own tests, the answer key, the recipes). The output depends only on the
+source's files (no timestamps), so generating twice gives identical bytes.
 """
 import argparse
 import os
+import pathlib
 import re
 import stat
 import subprocess
 import sys
+import textwrap
 import tomllib
 
 from scripts.runs import ROOT
@@ -39,11 +42,15 @@ SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ipynb_ch
 # The diffs between consecutive lessons contain every solution (and their test needs them).
 # The hidden tests are the grader's (scripts/course/grade.py adds them from the instructor's
 # checkout). The tests of the course kit hold this checkout's solutions to passing: in an edition
-# they would fail for reasons that are not the student's. The instructor's guide and answer key.
+# they would fail for reasons that are not the student's (so would the house rules' line counts,
+# with the solutions cut). The instructor's guide, the answer key and the recipes (they would
+# name every call in a standard edition).
 SKIP_PATHS = {"docs/diffs", "tests/test_diffs.py", "tests/hidden", "tests/test_assignments.py",
-              "tests/test_course.py", "docs/course.md", "docs/course_answers.md"}
+              "tests/test_course.py", "tests/test_house.py", "docs/course.md", "docs/course_answers.md",
+              "scripts/course/recipes.toml"}
 LEVELS = {"guided": "TODO", "standard": "GOAL"}  # --level: the instruction kept in the edition
 QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "questions.toml")
+RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes.toml")
 BEGIN = re.compile(r"^([ \t]*)# ### BEGIN SOLUTION:[ \t]*(\S.*?)[ \t]*$")
 END = re.compile(r"^([ \t]*)# ### END SOLUTION[ \t]*$")
 ANY = re.compile(r"#\s*###\s*(BEGIN|END)\s+SOLUTION")  # a fence, well-formed or not
@@ -83,8 +90,8 @@ def regions(text, name):
 
 
 def _instructions(lines, start, end, indent, name):
-    """{label: (first, after)} of the GOAL and TODO blocks that follow BEGIN (each once, its
-    continuation lines '#  ...'); checks the body after them is whole statements."""
+    """{label: (first, after)} of the GOAL (the checkout's) and TODO (a guided edition's) blocks
+    after BEGIN, each once with its lines '#  ...'; checks the body after them is whole statements."""
     blocks, j = {}, start + 1
     while j < end:
         label = next((l for l in ("GOAL", "TODO") if lines[j].startswith(f"{indent}# {l}:")), None)
@@ -97,10 +104,9 @@ def _instructions(lines, start, end, indent, name):
             j += 1
         blocks[label] = (first, j)
     if not blocks:
-        raise FenceError(f"{name}:{start + 2}: a region starts with '# TODO: <instructions>' "
-                         "(or '# GOAL: <what must hold>')")
-    n = j - start - 1
-    body = [(j, lines[j]) for j in range(start + 1 + n, end) if lines[j].strip()]
+        raise FenceError(f"{name}:{start + 2}: a region starts with '# GOAL: <what must hold>' "
+                         "(an edition's: '# TODO: <the recipe>')")
+    body = [(k, lines[k]) for k in range(j, end) if lines[k].strip()]
     if not body:
         raise FenceError(f"{name}:{start + 1}: the region holds no code")
     for j, line in body:  # inside the fence's block, so that a raise can replace it all
@@ -116,17 +122,33 @@ def message(name, title, label="TODO"):
     return f"{name}: {title} (see the {label} above)"
 
 
-def strip(text, name, level="guided"):
-    """`text` with every region's solution replaced by a NotImplementedError and only the
-    level's instructions kept (a region with only the other kind, an edition's, keeps those);
-    checked to compile."""
+def course_file(path):
+    """QUESTIONS: {lesson: {"run": command, "questions": [...]}} (answers: docs/course_answers.md);
+    RECIPES: {file: {title: recipe}}. {} where the file is absent (an edition has no recipes)."""
+    return tomllib.loads(pathlib.Path(path).read_text("utf-8")) if os.path.exists(path) else {}
+
+
+def strip(text, name, level="guided", recipes=None):
+    """`text` with every region's solution replaced by a NotImplementedError and the level's
+    instructions: guided, a TODO kept or else the recipe ({title: recipe}; default: recipes.toml's
+    for `name`) in place of the GOAL; standard, the GOAL (an edition's TODO stays). Checked to compile."""
     lines = text.splitlines(keepends=True)
     newline = "\r\n" if text.endswith("\r\n") else "\n"
     out, last = [], 0
     for start, end, indent, title, blocks in regions(text, name):
-        label = LEVELS[level] if LEVELS[level] in blocks else next(iter(blocks))
+        label = "TODO" if level == "guided" or "GOAL" not in blocks else "GOAL"  # an edition's TODO stays
+        if label in blocks:
+            kept = lines[slice(*blocks[label])]
+        else:  # a checkout's region at guided: its recipe, wrapped to 100 columns
+            recipes = course_file(RECIPES).get(name, {}) if recipes is None else recipes
+            if title not in recipes:
+                raise FenceError(f"{name}:{start + 1}: region '{title}' has no recipe in "
+                                 f"scripts/course/recipes.toml (under [\"{name}\"])")
+            kept = [l + newline for l in textwrap.wrap(
+                recipes[title], 100, initial_indent=f"{indent}# TODO: ", subsequent_indent=f"{indent}#       ",
+                break_long_words=False, break_on_hyphens=False)]
         msg = message(name, title, label).replace("\\", "\\\\").replace('"', '\\"')
-        out += lines[last:start + 1] + lines[slice(*blocks[label])]
+        out += lines[last:start + 1] + kept
         out.append(f'{indent}raise NotImplementedError("{msg}"){newline}')
         last = end
     out += lines[last:]
@@ -167,36 +189,32 @@ def source_files(source, skip=True):
 
 
 def edition(source, level="guided"):
-    """{relative path: (bytes, mode)} of the student edition of `source` at `level`."""
-    out, listed = {}, []
+    """{relative path: (bytes, mode)} of the student edition of `source` at `level`; FenceError
+    for a bad fence, a region with no recipe (at guided) or a recipe with no region."""
+    out, listed, known = {}, [], course_file(RECIPES)
     for rel in source_files(source):
         path = os.path.join(source, rel)
-        with open(path, "rb") as f:
-            data = f.read()
+        data = pathlib.Path(path).read_bytes()
         if "/" not in rel and rel.endswith(".py"):
             text = data.decode("utf-8")
             found = regions(text, rel)
             if found:
-                data = strip(text, rel, level).encode("utf-8")
+                data = strip(text, rel, level, known.get(rel, {})).encode("utf-8")
                 listed += [(rel, title) for _, _, _, title, _ in found]
         out[rel] = (data, stat.S_IMODE(os.stat(path).st_mode))
+    for rel, title in ((r, t) for r, titles in known.items() for t in titles if (r, t) not in listed):
+        raise FenceError(f"scripts/course/recipes.toml: the recipe [\"{rel}\"] \"{title}\" has no region "
+                         f"in {rel} (renamed or removed?)")
     out[STAMP] = (_stamp(listed, level).encode("utf-8"), 0o644)
     return out
 
 
-def questions():
-    """{lesson: {"run": command, "questions": [...]}} from questions.toml (answers: docs/course_answers.md)."""
-    with open(QUESTIONS, "rb") as f:
-        return tomllib.load(f)
-
-
 def _stamp(listed, level):
     rows = "\n".join(f"- `{rel}`: {title}" for rel, title in listed)
-    label = LEVELS[level]
     how = ("what must hold when it is done (its invariants);\nwhich calls get you there is yours to "
            "choose" if level == "standard" else "what to write, step by step")
     asked = []
-    for lesson, q in questions().items():
+    for lesson, q in course_file(QUESTIONS).items():
         items = "\n".join(f"{i}. {text}" for i, text in enumerate(q["questions"], 1))
         asked.append(f"### {lesson}\n\nRun `{q['run']}` once your regions pass. Write your prediction "
                      f"first, then compare with what the run prints.\n\n{items}")
@@ -204,7 +222,7 @@ def _stamp(listed, level):
     return f"""# Student edition (level: {level})
 
 Generated by `scripts/course/student_edition.py`. The solutions are cut out of these regions; each is
-fenced by `# ### BEGIN SOLUTION: <title>` and `# ### END SOLUTION`, and its `# {label}:` lines say
+fenced by `# ### BEGIN SOLUTION: <title>` and `# ### END SOLUTION`, and its `# {LEVELS[level]}:` lines say
 {how}.
 Replace the `raise NotImplementedError(...)` between the fences with your code.
 
@@ -248,14 +266,8 @@ def write(files, out_dir, source):
     for rel, (data, mode) in sorted(files.items()):
         path = os.path.join(out_dir, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            with open(path, "rb") as f:
-                same = f.read() == data
-        except FileNotFoundError:
-            same = False
-        if not same:
-            with open(path, "wb") as f:
-                f.write(data)
+        if not os.path.isfile(path) or pathlib.Path(path).read_bytes() != data:
+            pathlib.Path(path).write_bytes(data)
         os.chmod(path, mode)
     for dirpath, _, _ in sorted(os.walk(out_dir), reverse=True):  # dirs emptied by the removals
         if dirpath != out_dir and not os.listdir(dirpath):
@@ -267,8 +279,8 @@ def main(argv=None):
     p.add_argument("out_dir", nargs="?", help="where to write the edition (e.g. student/)")
     p.add_argument("--source", default=ROOT, help="the project to strip (default: this checkout)")
     p.add_argument("--level", choices=sorted(LEVELS), default="guided",
-                   help="guided: the TODO recipes (default); standard: the GOALs only, no calls named")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 on a bad fence")
+                   help="guided: recipes.toml's recipes as TODOs (default); standard: the GOALs, no calls named")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 on a bad fence or recipe")
     a = p.parse_args(argv)
     if not a.check and not a.out_dir:
         p.error("OUT_DIR is required (or --check)")

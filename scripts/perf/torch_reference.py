@@ -15,6 +15,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+from model import get_batch
 import optimizers
 import lifecycle
 import measure
@@ -75,7 +76,7 @@ def main(argv=None):
     for step in range(args.steps):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
-                x, y = common.get_batch(args, env, step, micro)
+                x, y = get_batch(args, env, step, micro)
                 last = micro == args.grad_accum - 1
                 if isinstance(wrapped, DDP):
                     wrapped.require_backward_grad_sync = last

@@ -1,0 +1,44 @@
+"""The house rules of the layout (issue 16): the support modules stay smaller than the lesson code
+they serve, each one small enough to read at once, and the README's layout names every one of them.
+
+Lesson code is what a student reads to learn the idea: 00-06, bucket.py (03's and 05's buckets,
+with solution regions of its own) and model.py (the GPT they all train, and its data). Support
+is every other module at the root: set-up, measurement, checkpoints, robustness, the shared
+optimizer side.
+"""
+import glob
+import os
+
+from graded import ROOT
+
+SUPPORT_MAX_LINES = 250  # per module: a support module is read at once, next to a lesson
+
+
+def lines(path):
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
+def modules():
+    paths = sorted(glob.glob(os.path.join(ROOT, "*.py")))
+    lesson = [p for p in paths if os.path.basename(p)[:2].isdigit() or os.path.basename(p) in ("bucket.py", "model.py")]
+    return lesson, [p for p in paths if p not in lesson]
+
+
+def test_support_is_smaller_than_the_lessons():
+    lesson, support = modules()
+    assert len(lesson) == 9, [os.path.basename(p) for p in lesson]  # 00-06, bucket.py, model.py
+    assert sum(map(lines, support)) < sum(map(lines, lesson)), (sum(map(lines, support)), sum(map(lines, lesson)))
+
+
+def test_every_support_module_reads_at_once():
+    too_long = {os.path.basename(p): lines(p) for p in modules()[1] if lines(p) > SUPPORT_MAX_LINES}
+    assert not too_long, too_long
+
+
+def test_the_readme_layout_names_every_module():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    layout = readme[readme.index("Layout:"):]
+    missing = [os.path.basename(p) for p in modules()[1] if f"`{os.path.basename(p)}`" not in layout]
+    assert not missing, missing
