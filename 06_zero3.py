@@ -70,7 +70,7 @@ class Unit:
         # the whole unit, once, to initialise it: keep_my_shard keeps my slice and frees it
         device = device or params[0].device
         self.flat_param = torch.zeros(self.numel_padded, dtype=params[0].dtype, device=device)  # padding: 0
-        self.params, self.offsets, self.replaced, offset = [], [], {}, 0
+        self.params, self.offsets, offset = [], [], 0
         for old in params:
             # The version-counter trap: autograd stamps each weight it saves for backward with its
             # tensor's version counter, and gathering a freed unit again is an in-place write. A
@@ -86,7 +86,6 @@ class Unit:
             for module_, attr in slots[old]:  # everywhere it was: a tied weight is in two places
                 setattr(module_, attr, p)
             self.params.append(p)
-            self.replaced[old] = p
             self.offsets.append(offset)
             offset += old.numel()
         self.trainable = [p for p in self.params if p.requires_grad]

@@ -46,6 +46,7 @@ grade: setup     ## grade a student edition: make grade EDITION=student (default
 	$(PY) -m scripts.course.grade $(EDITION)
 
 grade-class: setup ## grade a folder of submissions (directories, .zip, .tar.gz): make grade-class SUBMISSIONS=DIR -> grades.csv, grades.json (docs/course.md)
+	$(if $(SUBMISSIONS),,$(error grade-class needs the folder of submissions: make grade-class SUBMISSIONS=DIR))
 	$(PY) -m scripts.course.grade_class $(SUBMISSIONS) --out $(or $(GRADES),.)
 
 gpu-check: setup ## on a machine with GPUs: every lesson on CUDA/nccl, fp32 and bf16, one table (runs/gpu_check/); no GPU: says so

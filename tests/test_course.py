@@ -261,3 +261,10 @@ def test_points_split_over_weighted_groups_with_partial_credit():
     assert grade.score(results, "l", dict(spec, partial=False))["earned"] == 0
     visible_only = grade.score(results, "l", spec, kinds=("visible",))  # inside an edition
     assert (visible_only["points"], visible_only["earned"]) == (6, 4.5)
+
+
+def test_grade_class_without_a_folder_says_so_in_one_line():
+    # -n: make checks the recipe's guard without running set-up or grading anything
+    out = subprocess.run(["make", "-n", "grade-class"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode != 0 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert "make grade-class SUBMISSIONS=DIR" in out.stderr
