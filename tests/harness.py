@@ -1,5 +1,6 @@
-"""Test plumbing: run a function on N spawned ranks (gloo, CPU, a free port), and train the
-single-process reference every lesson is held to. (Loading a graded file: graded.py.)"""
+"""Test plumbing: run a function on N spawned ranks (gloo, CPU, a free port), train the
+single-process reference every lesson is held to, compare runs with it (tolerances: tolerances.py),
+and what the replicated lessons' tests (01-03) share. (Loading a graded file: graded.py.)"""
 import functools
 import os
 import random
@@ -17,7 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # Which files are graded and where they are read from (this checkout or a student edition):
 # the course kit's own module, tests/graded.py.
 from graded import ROOT, load_lesson  # noqa: E402  (ROOT: also the tests')
-from lessons import zero3_full_parameters  # noqa: E402
+from lessons import build, zero3_full_parameters  # noqa: E402
+from tolerances import BF16_LOSS_TOL, BF16_PARAM_TOL  # noqa: E402
+from toy import toy_train  # noqa: E402
 
 
 def _worker(rank, world, port, fn, args, out_dir):
@@ -114,6 +117,15 @@ def once(fn):
     return cached
 
 
+def launches(suite):
+    """A test file's `results(world)`: each rank's `suite(world)`, launched on `world` ranks once
+    per world size (start-up is costly; a failed launch is remembered too: once)."""
+    @once
+    def results(world):
+        return spawn(world, suite, world)
+    return results
+
+
 def run_lesson(lesson, argv):
     """In a spawned rank: run a lesson's main() with these flags; return what tests compare.
     A sharded model (06's) is gathered (lessons.zero3_full_parameters); others are read as they are."""
@@ -204,7 +216,6 @@ def gpt_train(lesson, argv):
     """In a spawned rank: train the GPT of `argv` through the tests' adapter (tests/lessons.py),
     e.g. PyTorch's DDP on exactly the configuration a lesson's main() runs."""
     import common
-    from lessons import build
     from model import get_batch
     args = common.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -243,6 +254,14 @@ def recording(build, grads, storages=None):
     return build_recording
 
 
+def toy_grads(lesson, **kw):
+    """In a spawned rank: toy.toy_train(lesson, **kw), with the gradients the optimizer is handed
+    at each step (recording) under "grads"."""
+    grads = []
+    out = toy_train(recording(build, grads), lesson, **kw)
+    return {**out, "grads": grads}
+
+
 def toy_reference_grads(steps=4, lr=1e-2):
     """The whole-batch gradient at every step of toy.toy_reference()."""
     import optimizers
@@ -261,7 +280,7 @@ def toy_reference_grads(steps=4, lr=1e-2):
 
 # ----------------------------------------------------------------------------- comparisons
 def close(a, b, tol):
-    """Two runs ({"losses", "params"}) agree within `tol` (each test file says why its tol)."""
+    """Two runs ({"losses", "params"}) agree within `tol` (tests/tolerances.py says why)."""
     torch.testing.assert_close(a["losses"], b["losses"], **tol)
     assert a["params"].keys() == b["params"].keys()
     for name in a["params"]:
@@ -276,3 +295,73 @@ def grads_close(got, want, tol):
             torch.testing.assert_close(g[name], w[name], **tol, msg=f"step {step} {name}")
         for name in g.keys() - w.keys():
             assert not g[name].any(), f"step {step} {name}: a gradient out of nothing"
+
+
+def all_close(want, results, keys, tol):
+    """On every rank, each run named in `keys` agrees with `want` within `tol` (close), the rank
+    and the key named in a failure. A key is an entry of the rank's results, or a path into them
+    (("gpt_caps", 2): 03's run at the cap that makes 2 buckets)."""
+    for rank, rank_out in enumerate(results):
+        for key in keys:
+            run = rank_out
+            for part in key if isinstance(key, tuple) else (key,):
+                run = run[part]
+            try:
+                close(run, want, tol)
+            except AssertionError as e:
+                raise AssertionError(f"rank {rank}, {key}: {e}") from None
+
+
+def bf16_close(a, b):
+    """bf16 parity of a replicated lesson (02, 03) with the bf16 reference, element by element
+    (tolerances.BF16_*)."""
+    torch.testing.assert_close(a["losses"], b["losses"], **BF16_LOSS_TOL)
+    for name, p in a["params"].items():
+        torch.testing.assert_close(p, b["params"][name], **BF16_PARAM_TOL, msg=name)
+
+
+# ----------------------------------------------------------------------------- 01-03 beside DDP
+def replicated_runs(lesson, argv):
+    """In a spawned rank: the runs each replicated lesson (01-03, by file name) is held to the
+    reference and to DDP on: main() with and without accumulation, DDP on the same GPT; the toy
+    with ranks starting different, with 3 micro-steps, and under DDP."""
+    number = lesson[:2]
+    return {
+        "main": run_lesson(lesson, argv),
+        "accum": run_lesson(lesson, argv + ["--grad-accum", "2"]),
+        "ddp": gpt_train("ddp", argv),
+        "toy": toy_train(build, number, different_init=True),
+        "toy_accum": toy_train(build, number, grad_accum=3),
+        "toy_ddp": toy_train(build, "ddp", find_unused=True),
+    }
+
+
+REPLICATED_GPT, REPLICATED_TOY = ("main", "accum", "ddp"), ("toy", "toy_accum", "toy_ddp")
+
+
+def one_all_reduce_per_tensor(main, world):
+    """main()'s measured step in 01 and 02 (fp32): only all-reduces, one per parameter tensor
+    with a gradient (the tied embedding/head counts once), and a ring all-reduce's bytes."""
+    report = main["report"]
+    psi = report["n_params"]
+    ops = comm_ops(report)
+    assert list(ops) == ["all_reduce"]
+    assert ops["all_reduce"]["bytes"] == psi * 4  # exact: every gradient once, fp32
+    assert ops["all_reduce"]["calls"] == len(main["params"])
+    assert sent_bytes(report) == theory_bytes(report)
+    assert sent_bytes(report) == 2 * (world - 1) / world * psi * 4
+
+
+def replicated_bf16_memory(report, psi, n_tensors):
+    """A replicated lesson's bf16 run (02, 03): ring bytes and memory at rest as the ZeRO paper
+    says, 2 + 2 + 12 Psi, measured from the live tensors rank by rank."""
+    assert sent_bytes(report) == theory_bytes(report)
+    theory = memory_theory(report)
+    assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * psi, 2 * psi, 12 * psi)
+    for mem in held(report):
+        assert mem["params"] == 2 * psi and mem["peak_params"] == 2 * psi
+        assert mem["grads"] == 2 * psi
+        # fp32 master weights and two fp32 moments: 12 Psi. torch's AdamW also keeps one 0-dim
+        # fp32 step counter per parameter tensor (4 bytes each), which the ZeRO paper's K omits.
+        assert mem["optimizer"] == 12 * psi + 4 * n_tensors
+        assert mem["other"] == 0

@@ -1,39 +1,23 @@
 """Lesson 03 against single-process training and PyTorch's DistributedDataParallel, at bucket
 caps that make one bucket, two, and one per parameter tensor."""
-import functools
-
 import pytest
-import torch
 import torch.distributed as dist
 
 import common
 import harness
-from harness import (comm_ops, gpt_train, held, memory_theory, recording, reference, run_lesson, sent_bytes, spawn,
-                     theory_bytes, toy_reference_grads)
+from harness import (REPLICATED_GPT, REPLICATED_TOY, all_close, bf16_close, comm_ops, gpt_train, launches, recording,
+                     reference, replicated_bf16_memory, replicated_runs, run_lesson, sent_bytes, theory_bytes,
+                     toy_reference_grads)
 from lessons import build
 from comm_meter import CommMeter
 from model import GPT
+from tolerances import GRAD_TOL, TOL
 from toy import make_toy, toy_reference, toy_train
 
 LESSON = "03_buckets"
 ARGV = ["--steps", "6", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
         "--global-batch", "8", "--log-every", "100"]
 BF16 = ARGV + ["--precision", "bf16"]
-# fp32 parity: the ranks average N per-rank means where the reference takes one mean over the
-# whole batch: float round-off (~1e-7 relative per step) that Adam can amplify a little over 6
-# steps; 1e-5 is far below the ~1e-2 a wrong averaging (a bucket not reduced, a gradient
-# outside its bucket, an unreduced micro-step) would cause.
-TOL = dict(rtol=1e-5, atol=1e-5)
-# Gradients, compared before Adam sees them (harness.recording says why): the same round-off
-# argument as TOL; a wrong scale (a missing 1/N) is off by 50% or more.
-GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
-# bf16 parity with the reference, as in test_02_async: bf16's 8-bit significand (2^-9 relative
-# per rounding) and a different rounding order make gradient elements differ by a few ulps; Adam
-# steps about lr per element whatever the gradient's size, so parameters may drift up to about
-# 2 x lr x steps = 0.036 (measured 0.014), bf16 values near 1 are 2^-7 apart, and losses were
-# measured within 2e-4 (2e-3 allowed: 10x margin).
-BF16_LOSS_TOL = dict(rtol=0, atol=2e-3)
-BF16_PARAM_TOL = dict(rtol=2 ** -7, atol=2 * 3e-3 * 6)
 MIB = 2 ** 20
 
 # ----------------------------------------------------------------------------- bucket caps
@@ -83,14 +67,9 @@ def gpt_run(argv, cap_mb):
 def suite(world):
     """Everything lesson 03 is checked on, in one launch per world size (start-up is costly)."""
     out = {
-        "main": run_lesson(LESSON, ARGV),  # the default 25 MiB: one bucket
-        "accum": run_lesson(LESSON, ARGV + ["--grad-accum", "2"]),
+        **replicated_runs(LESSON, ARGV),  # main(): the default 25 MiB, one bucket
         "gpt_caps": {n: gpt_run(ARGV, cap) for n, cap in GPT_CAPS.items()},
         "gpt_two_accum": gpt_run(ARGV + ["--grad-accum", "2"], GPT_CAPS[2]),
-        "ddp": gpt_train("ddp", ARGV),
-        "toy": toy_train(build, "03", different_init=True),
-        "toy_accum": toy_train(build, "03", grad_accum=3),
-        "toy_ddp": toy_train(build, "ddp", find_unused=True),
         "toy_caps": {n: toy_run(cap, grad_accum=3, different_init=True) for n, cap in TOY_CAPS.items()},
     }
     if world == 2:
@@ -100,18 +79,10 @@ def suite(world):
     return out
 
 
-@harness.once  # also remembers a failed launch: one launch per world size
-def results(world):
-    return spawn(world, suite, world)
+results = launches(suite)  # one launch per world size, a failed one remembered too
 
 
 # ----------------------------------------------------------------------------- comparisons
-close = functools.partial(harness.close, tol=TOL)
-
-
-grads_close = functools.partial(harness.grads_close, tol=GRAD_TOL)
-
-
 def all_reduces(report):
     ops = comm_ops(report)
     assert list(ops) == ["all_reduce"]
@@ -121,14 +92,8 @@ def all_reduces(report):
 # ----------------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_gpt_matches_single_process_and_ddp_at_every_bucket_count(world):
-    ref = reference(ARGV)
-    for rank_out in results(world):
-        close(rank_out["main"], ref)
-        close(rank_out["accum"], ref)
-        close(rank_out["ddp"], ref)
-        for n_buckets, run in rank_out["gpt_caps"].items():
-            close(run, ref)
-        close(rank_out["gpt_two_accum"], ref)
+    caps = tuple(("gpt_caps", n) for n in GPT_CAPS)
+    all_close(reference(ARGV), results(world), REPLICATED_GPT + caps + ("gpt_two_accum",), TOL)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -151,13 +116,8 @@ def test_one_all_reduce_per_bucket_and_ring_bytes_equal_theory(world):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_edge_cases_tied_frozen_unused_different_init_accumulation(world):
-    ref = toy_reference()
-    for rank_out in results(world):
-        close(rank_out["toy"], ref)
-        close(rank_out["toy_accum"], ref)
-        close(rank_out["toy_ddp"], ref)
-        for n_buckets, run in rank_out["toy_caps"].items():
-            close(run, ref)
+    caps = tuple(("toy_caps", n) for n in TOY_CAPS)
+    all_close(toy_reference(), results(world), REPLICATED_TOY + caps, TOL)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -165,7 +125,7 @@ def test_gradients_are_the_whole_batch_gradient_in_views_of_the_buckets(world):
     want = toy_reference_grads()
     for rank_out in results(world):
         for n_buckets, run in rank_out["toy_caps"].items():
-            grads_close(run["grads"], want)
+            harness.grads_close(run["grads"], want, GRAD_TOL)
             steps = len(run["losses"])  # toy_train also all-reduces each step's loss once
             assert run["all_reduce"] == {"calls": steps * (n_buckets + 1),
                                          "bytes": steps * (TOY_ELEMS * 4 + 4)}, f"{n_buckets} buckets"
@@ -183,27 +143,17 @@ def test_gradients_are_the_whole_batch_gradient_in_views_of_the_buckets(world):
 def test_bf16_matches_reference_and_ddp_and_memory_equals_theory():
     ref = reference(BF16)
     for rank_out in results(2):
-        torch.testing.assert_close(rank_out["bf16"]["losses"], ref["losses"], **BF16_LOSS_TOL)
-        for name, p in rank_out["bf16"]["params"].items():
-            torch.testing.assert_close(p, ref["params"][name], **BF16_PARAM_TOL, msg=name)
+        bf16_close(rank_out["bf16"], ref)
         # Against DDP the arithmetic is the same, element by element: bf16 gradients divided by
         # 2, then a sum of two numbers (commutative in IEEE, whatever the order): bit-identical.
-        close(rank_out["bf16"], rank_out["bf16_ddp"], tol=dict(rtol=0, atol=0))
-        close(rank_out["bf16_cap2"], rank_out["bf16"], tol=dict(rtol=0, atol=0))  # 1 bucket too
+        harness.close(rank_out["bf16"], rank_out["bf16_ddp"], tol=dict(rtol=0, atol=0))
+        harness.close(rank_out["bf16_cap2"], rank_out["bf16"], tol=dict(rtol=0, atol=0))  # 1 bucket too
     out = results(2)[0]
     report = out["bf16"]["report"]
     assert all_reduces(report)["bytes"] == PSI * 2  # bf16 collectives
-    assert sent_bytes(report) == theory_bytes(report)
     # The cap counts the gradients' real bytes: bf16 gradients are half the size, so the cap
     # that makes two fp32 buckets holds the whole bf16 model in one (plus the loss's all-reduce).
     steps = len(out["bf16"]["losses"])
     assert out["bf16_cap2"]["all_reduce"] == {"calls": steps * 2, "bytes": steps * (PSI * 2 + 4)}
-    theory = memory_theory(report)
-    assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * PSI, 2 * PSI, 12 * PSI)
-    for mem in held(report):  # measured from the live tensors, rank by rank
-        assert mem["params"] == 2 * PSI and mem["peak_params"] == 2 * PSI
-        assert mem["grads"] == 2 * PSI  # the bucket buffers are the gradients: no extra copy
-        # fp32 master weights and two fp32 moments: 12 Psi. torch's AdamW also keeps one 0-dim
-        # fp32 step counter per parameter tensor (4 bytes each), which the ZeRO paper's K omits.
-        assert mem["optimizer"] == 12 * PSI + 4 * N_TENSORS
-        assert mem["other"] == 0
+    # gradients: 2 Psi, the bucket buffers are the gradients (no extra copy)
+    replicated_bf16_memory(report, PSI, N_TENSORS)

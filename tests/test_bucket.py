@@ -3,7 +3,6 @@
 No process group: `launch` is a fake that records each call and returns a fake work handle, so
 every check is exact and takes milliseconds.
 """
-import pytest
 import torch
 import torch.nn as nn
 

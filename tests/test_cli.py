@@ -3,8 +3,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from graded import lesson_file
 from harness import ROOT
 from scripts.runs import LESSONS

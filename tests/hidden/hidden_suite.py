@@ -9,18 +9,14 @@ import torch
 import harness
 from harness import gpt_train, recording, reference, spawn, toy_reference_grads
 from lessons import build
+from tolerances import GRAD_TOL, TOL
 from toy import toy_reference, toy_sgd_reference, toy_train
 
 WORLD = 3
 # Psi = 13750 (13750 % 3 == 1: every flat buffer is padded), d_model 22 with 2 heads, 61 tokens
 ODD_GPT = ["--steps", "3", "--n-layer", "2", "--d-model", "22", "--n-head", "2", "--seq-len", "8",
            "--global-batch", "6", "--vocab-size", "61", "--log-every", "100"]
-# The visible tests' tolerances, for the same reason: the ranks average 3 per-rank means where the
-# reference takes one mean over the whole batch, float round-off (~1e-7 relative per step) that
-# Adam may amplify a little over a few steps; a wrong average (a sum, a missed bucket, a stale
-# shard, a padding element that leaks) is off by 1e-2 or more.
-TOL = dict(rtol=1e-5, atol=1e-5)
-GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
+# The visible tests' tolerances, for the same reason (tests/tolerances.py says why).
 close = functools.partial(harness.close, tol=TOL)
 grads_close = functools.partial(harness.grads_close, tol=GRAD_TOL)
 
