@@ -102,12 +102,12 @@ class CommMeter:
         start, end = self.window
         spans = [(max(a, start), min(end if b is None else b, end)) for _, a, b in self.spans]
         blocked = [(max(a, start), min(b, end)) for a, b in self.blocked]
-        comm, exposed = _union(spans), _union(blocked)
+        comm, exposed = union(spans), union(blocked)
         return {"comm_ms": comm * 1e3, "exposed_ms": exposed * 1e3,
                 "hidden_share": 1 - exposed / comm if comm > 0 else 0.0}
 
 
-def _union(intervals):
+def union(intervals):
     """Total length covered by a set of [a, b] intervals."""
     total, reach = 0.0, float("-inf")
     for a, b in sorted(intervals):

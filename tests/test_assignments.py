@@ -29,17 +29,6 @@ FIRST = {"01_vanilla_dp": ("01_vanilla_dp.py", "average the gradients"),
          "06_zero3": ("06_zero3.py", "gather a unit")}
 
 
-def tree(path):
-    """{relative path: (bytes, mode)} of every file under `path`."""
-    out = {}
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            full = os.path.join(dirpath, f)
-            with open(full, "rb") as fh:
-                out[os.path.relpath(full, path)] = (fh.read(), os.stat(full).st_mode)
-    return out
-
-
 @pytest.fixture(scope="module")
 def edition(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("edition") / "student")
@@ -141,7 +130,7 @@ def test_a_region_without_a_recipe_or_a_recipe_without_a_region_is_refused(tmp_p
 
 # ----------------------------------------------------------------------------- the edition
 def test_edition_is_stripped_and_idempotent(edition, tmp_path):
-    first = tree(edition)
+    first = graded.tree(edition)
     for name in GRADED:
         solution = open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8").read()
         text = first[f"{name}.py"][0].decode()
@@ -151,10 +140,10 @@ def test_edition_is_stripped_and_idempotent(edition, tmp_path):
     assert "scripts/course/recipes.toml" not in first  # its text is in the edition's TODOs already
     assert "ASSIGNMENT.md" in first and "tests/harness.py" in first and "common.py" in first
     assert se.main([edition]) == 0  # again, in place: nothing changes
-    assert tree(edition) == first
+    assert graded.tree(edition) == first
     again = str(tmp_path / "again")
     assert se.main([again, "--source", edition]) == 0  # from the edition: the same bytes
-    assert tree(again) == first
+    assert graded.tree(again) == first
 
 
 def test_the_generator_refuses_to_overwrite_what_is_not_an_edition(tmp_path):

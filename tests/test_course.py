@@ -18,6 +18,7 @@ import zipfile
 
 import pytest
 
+from graded import tree
 from harness import ROOT
 
 import scripts.course.grade as grade
@@ -29,16 +30,6 @@ GRADED = [f[:-3] for f in grade.graded_files()]
 # (the first one 6 s: it starts the forkserver); the submission that hangs reaches its 3 launches
 # of ranks in turn, so it meets the per-test limit and then the run's.
 TEST_LIMIT, RUN_LIMIT = 15, 40
-
-
-def _tree(path):
-    out = {}
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            full = os.path.join(dirpath, f)
-            with open(full, "rb") as fh:
-                out[os.path.relpath(full, path).replace(os.sep, "/")] = fh.read()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +93,7 @@ def _flat(text):
 
 @pytest.mark.parametrize("level", sorted(se.LEVELS))
 def test_no_file_of_the_edition_shows_a_solution_line(editions, level):
-    files = {rel: _flat(data.decode("utf-8", "replace")) for rel, data in _tree(editions[level]).items()}
+    files = {rel: _flat(data.decode("utf-8", "replace")) for rel, (data, _) in tree(editions[level]).items()}
     shown = []
     for (name, title), lines in solution_lines().items():
         assert lines, (name, title)  # every region has lines to look for
@@ -112,14 +103,14 @@ def test_no_file_of_the_edition_shows_a_solution_line(editions, level):
 
 
 def test_hidden_tests_and_answers_stay_out_of_the_edition_and_setup_goes_in(editions):
-    files = _tree(editions["guided"])
+    files = tree(editions["guided"])
     assert not [f for f in files if f.startswith(("tests/hidden/", "docs/diffs/"))]
     for gone in ("tests/test_course.py", "tests/test_assignments.py", "docs/course.md", "docs/course_answers.md",
                  "scripts/course/recipes.toml"):  # the recipes would name every call at level standard
         assert gone not in files
     for kept in ("Makefile", "scripts/setup.sh", "requirements.txt", "tests/points.toml", "scripts/course/grade.py"):
         assert kept in files
-    assignment = files["ASSIGNMENT.md"].decode()
+    assignment = files["ASSIGNMENT.md"][0].decode()
     assert "make setup" in assignment and "## Questions: predict, then measure" in assignment
     for lesson in LESSON_NAMES:
         assert f"### {lesson}" in assignment

@@ -81,7 +81,7 @@ def gpu_overlap(trace_path):
     """Overlap on a GPU, from a torch.profiler trace of the measured step: comm = the time NCCL
     kernels ran, exposed = the part of it with no other kernel running beside them (the GPU's
     compute did not hide it), hidden share = 1 - exposed / comm. None if the trace has none."""
-    from comm_meter import _union  # (imports torch: only where a run is traced)
+    from comm_meter import union  # (imports torch: only where a run is traced)
     with open(trace_path) as f:
         events = json.load(f).get("traceEvents", [])
     kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events
@@ -90,8 +90,8 @@ def gpu_overlap(trace_path):
     compute = [(a, b) for name, a, b in kernels if "nccl" not in name.lower()]
     if not comm:
         return None
-    total = _union(comm)
-    hidden = total + _union(compute) - _union(comm + compute)  # |comm & compute|
+    total = union(comm)
+    hidden = total + union(compute) - union(comm + compute)  # |comm & compute|
     return {"comm_ms": total / 1e3, "exposed_ms": (total - hidden) / 1e3,  # trace times are in us
             "hidden_share": hidden / total, "source": "GPU kernel times (profiler)"}
 
