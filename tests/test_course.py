@@ -259,3 +259,28 @@ def test_grade_class_without_a_folder_says_so_in_one_line():
     out = subprocess.run(["make", "-n", "grade-class"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode != 0 and out.stderr.strip().count("\n") == 0, out.stderr
     assert "make grade-class SUBMISSIONS=DIR" in out.stderr
+
+
+@pytest.mark.parametrize("filtered", [True, False])  # False: a Python without tarfile.data_filter
+def test_an_archive_unpacks_inside_its_folder_only(tmp_path, monkeypatch, filtered):
+    import io
+    import tarfile
+
+    from scripts.course import grade_class
+    if not filtered:
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+
+    def archive(name, members):
+        path = tmp_path / name
+        with tarfile.open(path, "w:gz") as t:
+            for member, data in members.items():
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+        return str(path)
+    good = archive("good.tar.gz", {"alice/01_vanilla_dp.py": b"x = 1\n"})
+    assert grade_class.unpack(good, str(tmp_path / "a")).endswith("alice")
+    bad = archive("bad.tar.gz", {"../escaped.py": b"x = 1\n", "01_vanilla_dp.py": b"x = 1\n"})
+    with pytest.raises((ValueError, tarfile.TarError)):
+        grade_class.unpack(bad, str(tmp_path / "b"))
+    assert not (tmp_path / "escaped.py").exists()

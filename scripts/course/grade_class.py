@@ -61,7 +61,14 @@ def unpack(path, dest):
                 z.extractall(dest)
         else:
             with tarfile.open(path) as t:
-                t.extractall(dest, filter="data")  # refuses links out, devices, absolute paths
+                if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4
+                    t.extractall(dest, filter="data")  # refuses links out, devices, absolute paths
+                else:  # older: plain files and directories inside dest only
+                    for m in t.getmembers():
+                        target = os.path.realpath(os.path.join(dest, m.name))
+                        if not (m.isfile() or m.isdir()) or not target.startswith(os.path.realpath(dest) + os.sep):
+                            raise ValueError(f"unsafe member in the archive: {m.name}")
+                    t.extractall(dest)
         path = dest
     graded = set(grade.graded_files())
     for dirpath, dirnames, filenames in sorted(os.walk(path), key=lambda w: w[0].count(os.sep)):
