@@ -37,8 +37,8 @@ class VanillaDP(ddp.Replicated):
     gradient. Shaped like `DistributedDataParallel(module)` (ddp.Replicated: `.module`,
     `no_sync()`, `require_backward_grad_sync`)."""
 
-    def __init__(self, module: nn.Module):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, find_unused_parameters: bool = False):
+        super().__init__(module, find_unused_parameters)  # (ddp.Replicated says what the flag does)
         # "After backward", without a call in the loop: a backward's first gradient queues
         # all_reduce_gradients to run once that backward is over, inside loss.backward(), as
         # DDP does (not in a no_sync() backward, which only accumulates).
@@ -55,13 +55,22 @@ class VanillaDP(ddp.Replicated):
         # ReduceOp.AVG; in fp16 it would also keep the sum from overflowing, a concern bf16,
         # with fp32's range, does not have.)
         # model.parameters() yields a tied parameter once, so it is reduced once.
+        # Collectives are matched by the order they are issued, so every rank must all-reduce the
+        # same parameters in the same order whatever its data did. A parameter this rank's forward
+        # skipped (an MoE expert with no tokens here) has no gradient here but may have one on
+        # another rank: it takes part with zeros, its share of the mean. Only a parameter no rank
+        # has a gradient for (find_unused_parameters: one all-reduce of flags tells) is left out.
+        params = [p for p in self.module.parameters() if p.requires_grad]  # frozen: never any
+        unused = self.unused_everywhere([p for p in params if p.grad is not None])
         # ### BEGIN SOLUTION: average the gradients
         # GOAL: afterwards every rank's p.grad holds the global-batch mean gradient, in place, for
-        #       every parameter that has a gradient (a None stays None); one collective per
-        #       parameter, blocking.
-        for p in self.module.parameters():
-            if p.grad is None:  # frozen, or unused in this forward on every rank
+        #       every parameter not in `unused` (a rank without a gradient for it takes part with
+        #       zeros); one collective per parameter, blocking, in the same order on every rank.
+        for p in params:
+            if p in unused:  # no rank has a gradient: it stays None and the optimizer skips it
                 continue
+            if p.grad is None:  # another rank used it: this rank's share of the sum is zero
+                p.grad = torch.zeros_like(p)
             p.grad.div_(self.world_size)
             dist.all_reduce(p.grad)  # blocking: communication starts only after backward ends
         # ### END SOLUTION

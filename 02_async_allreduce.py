@@ -33,9 +33,17 @@ class AsyncAllReduceDP(ddp.Replicated):
     and `finish_gradient_synchronization()` waits for them all when backward is over. Shaped
     like `DistributedDataParallel(module)` (ddp.Replicated: `.module`, `no_sync()`, ...)."""
 
-    def __init__(self, module: nn.Module):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, find_unused_parameters: bool = False):
+        super().__init__(module, find_unused_parameters)  # (ddp.Replicated says what the flag does)
         self.handles = []  # async all-reduces in flight, in launch order
+        # Collectives are matched across ranks by the order they are issued, not by name, so
+        # every rank must launch the same parameters' all-reduces in the same order. Backward's
+        # order is the same on every rank only while every rank's graph is the same; a parameter
+        # one rank's data skipped (an MoE expert with no tokens there) changes it. So gradients
+        # launch in one fixed order, reverse registration (roughly backward's own): a gradient
+        # that is ready early waits for the ones before it (DDP's buckets keep a fixed order too).
+        self.order = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+        self.ready, self.launched = set(), 0  # this backward's ready gradients; order[:launched] went
         # Which autograd event: a post-accumulate-grad hook runs after autograd has added this
         # backward's gradient into p.grad, and it is passed the parameter, not a gradient. p.grad
         # is then exactly what the optimizer will read: both uses of the tied embedding/head
@@ -43,20 +51,23 @@ class AsyncAllReduceDP(ddp.Replicated):
         # p.register_hook(fn) runs one event earlier and is passed only this backward's incoming
         # gradient, not yet in p.grad: reducing that would miss the earlier micro-steps, and
         # autograd adds it into p.grad while the async all-reduce may still be writing it.
-        for p in module.parameters():  # a tied parameter is yielded once: one hook, one all-reduce
-            if p.requires_grad:  # frozen parameters have no gradient to average
-                p.register_post_accumulate_grad_hook(self._all_reduce_grad)
+        for p in self.order:  # a tied parameter is yielded once: one hook, one all-reduce
+            p.register_post_accumulate_grad_hook(self._grad_ready)  # (frozen ones: no gradient)
 
     @torch.no_grad()
-    def _all_reduce_grad(self, p):
+    def _grad_ready(self, p):
         if not self.require_backward_grad_sync:  # no_sync(), a non-final micro-step: accumulate
             return
         # Wait for them all once backward is over, inside loss.backward(), as DDP does: the loop
         # written for DDP calls nothing else before optimizer.step().
         self.at_end_of_backward(self.finish_gradient_synchronization)
+        self.ready.add(p)
+        while self.launched < len(self.order) and self.order[self.launched] in self.ready:
+            self._all_reduce_grad(self.order[self.launched])
+            self.launched += 1
+
+    def _all_reduce_grad(self, p):
         # The global gradient is the SUM of the ranks' gradients divided by N (see 01).
-        # Every rank's backward fires the hooks in the same order, so the i-th all-reduce of every
-        # rank is the same parameter's: collectives are matched by the order they are issued.
         # ### BEGIN SOLUTION: launch the gradient's all-reduce
         # GOAL: start averaging p.grad over the ranks, in place, without blocking backward: one
         #       collective per gradient, launched now; keep in self.handles what finishing it needs.
@@ -64,7 +75,17 @@ class AsyncAllReduceDP(ddp.Replicated):
         self.handles.append(dist.all_reduce(p.grad, async_op=True))  # returns at once
         # ### END SOLUTION
 
+    @torch.no_grad()
     def finish_gradient_synchronization(self):
+        # What did not launch during backward, in order: a parameter with no gradient in this
+        # backward (unused on this rank, or only in an earlier micro-step) and those after it.
+        # One without any gradient here takes part with zeros, its share of the mean (see 01).
+        with_grad = [p for p in self.order if p.grad is not None]
+        for p in self.order[self.launched:]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._all_reduce_grad(p)
+        unused = self.unused_everywhere(with_grad)  # find_unused_parameters: after every launch
         # ### BEGIN SOLUTION: wait for the all-reduces
         # GOAL: when this returns, every collective launched this step has completed (each p.grad is
         #       the global-batch mean) and self.handles is ready for the next step.
@@ -72,6 +93,9 @@ class AsyncAllReduceDP(ddp.Replicated):
             work.wait()
         self.handles.clear()
         # ### END SOLUTION
+        for p in unused:  # no rank had a gradient: None again, so the optimizer skips it
+            p.grad = None
+        self.ready, self.launched = set(), 0
 
 
 # ----------------------------------------------------------------------------- training

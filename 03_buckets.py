@@ -38,8 +38,9 @@ class BucketedDP(ddp.Replicated):
     is full; `finish_gradient_synchronization()` waits for them all when backward is over.
     Shaped like `DistributedDataParallel(module, bucket_cap_mb=...)` (ddp.Replicated)."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1,
+                 find_unused_parameters: bool = False):
+        super().__init__(module, find_unused_parameters)  # (ddp.Replicated says what the flag does)
         # Each p.grad becomes a view of its bucket's buffer (grads_as_views, DDP's
         # gradient_as_bucket_view): autograd accumulates straight into the buffer, nothing is
         # copied in or out, and the buckets are the gradients' memory, not an extra copy of it.
@@ -71,9 +72,17 @@ class BucketedDP(ddp.Replicated):
         # ### END SOLUTION
 
     def finish_gradient_synchronization(self):
-        # Launches any bucket still waiting on a gradient that never came (an unused parameter:
-        # it goes as zeros), then waits for every all-reduce. The grads are already in place.
+        # Launches any bucket still waiting on a gradient that never came here (a parameter this
+        # rank's data skipped: it goes as zeros, its share of the mean), then waits for every
+        # all-reduce. The gradients are in place, in the buckets; a parameter with no gradient on
+        # this rank kept p.grad None, so it is pointed at its view, which now holds the mean that
+        # the ranks that used it sent. Only one no rank used (find_unused_parameters) stays None.
+        with_grad = [p for p in self.buckets.bucket_of if p.grad is not None]
         self.buckets.finish()
+        unused = self.unused_everywhere(with_grad)  # find_unused_parameters: after every bucket
+        for p, bucket in self.buckets.bucket_of.items():
+            if p.grad is None and p not in unused:
+                p.grad = bucket.view(p)
 
 
 # ----------------------------------------------------------------------------- training
@@ -102,7 +111,7 @@ def main(argv=None):
                 losses.append(loss)  # at its end, finish_gradient_synchronization() waits for all
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=False)  # in place: the grads stay bucket views, no copy
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)
     ### TRAINING SECTION END
 

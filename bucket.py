@@ -128,8 +128,11 @@ class BucketManager:
         parameter's first gradient, and again after zero_grad(set_to_none=True), PyTorch's
         default: copy it into the view and point p.grad at it, as DDP does with
         gradient_as_bucket_view; from then on autograd accumulates into the bucket. A parameter
-        with no gradient this step sends zeros, not last step's values, and keeps p.grad None,
-        so the optimizer leaves it alone as in single-process training (DDP does the same)."""
+        with no gradient on this rank sends zeros (its share of the mean), not last step's
+        values, and keeps p.grad None: whether it gets one, after the collective, is its user's
+        call (03: yes if another rank used it; None only if no rank did, with
+        find_unused_parameters). After an in-place zero_grad(set_to_none=False), p.grad is a
+        zeroed view, not None, and AdamW moves it, as it would in one process."""
         view = bucket.view(p)
         if p.grad is None:
             view.zero_()
@@ -151,8 +154,9 @@ class BucketManager:
 
     @torch.no_grad()
     def finish(self):
-        """Launch what has not been launched (a parameter that got no gradient leaves its bucket
-        short of full: it goes with zeros for that gradient, so no rank waits forever), then
+        """Launch what has not been launched (a parameter that got no gradient on this rank
+        leaves its bucket short of full: it goes with zeros for that gradient, in the same place
+        in the order as on the ranks that used it, so collectives still match), then
         wait for every collective, in order. Afterwards the manager is ready for the next step."""
         while self.next_to_launch < len(self.buckets):
             bucket = self.buckets[self.next_to_launch]

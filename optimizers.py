@@ -188,9 +188,14 @@ class MixedPrecisionAdamW:
                 p.copy_(m)
                 m.grad = None
 
-    def zero_grad(self):
-        for p in self.params:  # in place: bucket views (03) must stay views
-            if p.grad is not None:
+    def zero_grad(self, set_to_none=True):
+        """As torch.optim's: set_to_none (the default) drops every gradient, so a parameter that
+        gets none in the next step is skipped by AdamW, as in one process; False zeroes them in
+        place (03's bucket views stay views), and AdamW then moves a parameter left at zero."""
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
                 p.grad.zero_()
 
 

@@ -330,8 +330,8 @@ def replicated_runs(lesson, argv):
         "main": run_lesson(lesson, argv),
         "accum": run_lesson(lesson, argv + ["--grad-accum", "2"]),
         "ddp": gpt_train("ddp", argv),
-        "toy": toy_train(build, number, different_init=True),
-        "toy_accum": toy_train(build, number, grad_accum=3),
+        "toy": toy_train(build, number, different_init=True, find_unused=True),
+        "toy_accum": toy_train(build, number, grad_accum=3, find_unused=True),
         "toy_ddp": toy_train(build, "ddp", find_unused=True),
     }
 

@@ -23,9 +23,10 @@ def _named_full(module):
 class _Replicated:
     """01-03 and PyTorch's DDP: every rank holds the whole model and the whole optimizer."""
 
-    def __init__(self, wrapper, module, grad_clip, lr, weight_decay=0.0):
+    def __init__(self, wrapper, module, grad_clip, lr, weight_decay=0.0, optimizer_class=None, optimizer_kwargs=None):
         self.wrapper, self.module = wrapper, module
-        self.opt = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(module, weight_decay), grad_clip, **adamw(lr))
+        self.opt = replicated_optimizer(optimizers.decay_groups(module, weight_decay), grad_clip,
+                                        optimizer_class, optimizer_kwargs or adamw(lr))
 
     def train_step(self, micro_batches):
         total = 0.0
@@ -64,26 +65,41 @@ def adamw(lr):
     return dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
 
+def replicated_optimizer(params, grad_clip, optimizer_class=None, optimizer_kwargs=None):
+    """What 01-03 and DDP step with: optimizers.MixedPrecisionAdamW (clipping; fp32 master
+    weights for bf16 parameters), its AdamW swapped for `optimizer_class` (e.g. SGD) over the
+    same master weights and param groups (their weight decay kept)."""
+    if optimizer_class in (None, torch.optim.AdamW):
+        return optimizers.MixedPrecisionAdamW(params, grad_clip, **(optimizer_kwargs or adamw(1e-2)))
+    opt = optimizers.MixedPrecisionAdamW(params, grad_clip, **adamw(0.0))  # no state yet: replaced
+    opt.optim = optimizer_class([{"params": g["params"], "weight_decay": g["weight_decay"]}
+                                 for g in opt.optim.param_groups], **optimizer_kwargs)
+    return opt
+
+
 def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0.0, **kw):
     """A trainer for `lesson` ("01".."06", or "ddp") around `module`, inside a process group.
     weight_decay: AdamW's, in optimizers.decay_groups (matrices and embeddings only), as main()."""
     wd = weight_decay
+    opt_kw = {k: kw[k] for k in ("optimizer_class", "optimizer_kwargs") if k in kw}  # default: AdamW at lr
     if lesson == "ddp":
         ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_mb,
                                                   find_unused_parameters=kw.get("find_unused", False))
-        return _Replicated(ddp, module, grad_clip, lr, weight_decay=wd)
+        return _Replicated(ddp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
     if lesson == "01":
-        dp = load_lesson("01_vanilla_dp").VanillaDP(module)  # averages at the end of backward, as DDP
-        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd)
+        dp = load_lesson("01_vanilla_dp").VanillaDP(module, find_unused_parameters=kw.get("find_unused", False))  # averages at the end of backward, as DDP
+        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
     if lesson == "02":
-        dp = load_lesson("02_async_allreduce").AsyncAllReduceDP(module)
-        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd)
+        dp = load_lesson("02_async_allreduce").AsyncAllReduceDP(module, find_unused_parameters=kw.get("find_unused", False))
+        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
     if lesson == "03":
-        dp = load_lesson("03_buckets").BucketedDP(module, bucket_cap_mb=bucket_mb)
-        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd)
+        dp = load_lesson("03_buckets").BucketedDP(module, bucket_cap_mb=bucket_mb,
+                                                  find_unused_parameters=kw.get("find_unused", False))
+        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
     if lesson == "06":  # as FSDP2: the caller's optimizer over the shards, clipping by the model
         z = load_lesson("06_zero3").ZeRO3(module, units=sharding_units(module), prefetch=kw.get("prefetch", True),
-                                          find_unused_parameters=kw.get("find_unused", False))
+                                          find_unused_parameters=kw.get("find_unused", False),
+                                          mp_policy=kw.get("mp_policy"))  # None: compute in the parameters' dtype
         opt = kw.get("optimizer_class", torch.optim.AdamW)(optimizers.decay_groups(z, wd),
                                                            **kw.get("optimizer_kwargs", adamw(lr)))
 
@@ -94,7 +110,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
             opt.zero_grad()
         return _FullySharded(z, step=step, full_parameters=lambda: zero3_full_parameters(z), opt=opt)
     if lesson == "fsdp2":
-        return _fsdp2(module, grad_clip, lr, wd)
+        return _fsdp2(module, grad_clip, lr, wd, **kw)
     if lesson in ("04", "05"):  # kw optimizer_class / optimizer_kwargs: e.g. SGD, which sees gradient scale
         opt_class, opt_kwargs = kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs", adamw(lr))
         if lesson == "04":
@@ -107,9 +123,9 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
                                                      grad_clip=grad_clip, **opt_kwargs)
         return _ShardedOptimizer(module, opt)  # its reduce-scatters end inside backward
     if lesson == "zero_redundancy":
-        return _zero_redundancy(module, grad_clip, lr, bucket_mb, kw.get("find_unused", False), wd)
+        return _zero_redundancy(module, grad_clip, lr, bucket_mb, kw.get("find_unused", False), wd, **opt_kw)
     if lesson == "fsdp2_noreshard":
-        return _fsdp2_noreshard(module, grad_clip, lr, wd)
+        return _fsdp2_noreshard(module, grad_clip, lr, wd, **kw)
     raise KeyError(f"no adapter for lesson {lesson!r}")
 
 
@@ -143,15 +159,28 @@ class _FullySharded:
         return total
 
 
-def _fsdp2(module, grad_clip, lr, wd):
+def _fsdp2_options(module, kw):
+    """build's kw for FSDP2: mp_policy (a MixedPrecisionPolicy); find_unused: reduce-scatter
+    zeros for a parameter this rank's backward did not reach (set_reduce_scatter_unused_params),
+    so a unit's reduce-scatter matches on every rank. Unlike DDP's, a parameter no rank reached
+    then gets a zero gradient, not None (AdamW moves it): a caller wanting DDP's semantics drops
+    those (tests/fuzz.py does). The optimizer: optimizer_class/optimizer_kwargs, AdamW at lr."""
+    if kw.get("find_unused", False):
+        module.set_reduce_scatter_unused_params(True)
+    return kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs")
+
+
+def _fsdp2(module, grad_clip, lr, wd, **kw):
     """PyTorch's own ZeRO-3: fully_shard each unit, then the root, on an explicit CPU mesh."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = kw.get("mp_policy") or MixedPrecisionPolicy()
     for unit in sharding_units(module):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
-    fully_shard(module, mesh=mesh, reshard_after_forward=True)
-    opt = torch.optim.AdamW(optimizers.decay_groups(module, wd), **adamw(lr))
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    opt_class, opt_kwargs = _fsdp2_options(module, kw)
+    opt = opt_class(optimizers.decay_groups(module, wd), **(opt_kwargs or adamw(lr)))
 
     def step():
         if grad_clip > 0:
@@ -161,7 +190,7 @@ def _fsdp2(module, grad_clip, lr, wd):
 
     def full_parameters():  # the parameters are DTensor shards
         return {n: p.full_tensor().detach().float().clone() for n, p in module.named_parameters()}
-    return _FullySharded(module, step, full_parameters)
+    return _FullySharded(module, step, full_parameters, opt=opt)
 
 
 # ----------------------------------------------------------------------------- sharded optimizer (04, 05)
@@ -202,21 +231,26 @@ def _clipper(module, grad_clip):
     return (lambda: torch.nn.utils.clip_grad_norm_(trainable, grad_clip)) if grad_clip > 0 else None
 
 
-def _zero_redundancy(module, grad_clip, lr, bucket_mb, find_unused, wd):
-    """PyTorch's ZeRO-1: DDP all-reduces the gradients, ZeroRedundancyOptimizer shards AdamW."""
+def _zero_redundancy(module, grad_clip, lr, bucket_mb, find_unused, wd, optimizer_class=torch.optim.AdamW,
+                     optimizer_kwargs=None):
+    """PyTorch's ZeRO-1: DDP all-reduces the gradients, ZeroRedundancyOptimizer shards AdamW (or
+    optimizer_class). It keeps no fp32 master weights: a bf16 counterpart for 04 is not this."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_mb, find_unused_parameters=find_unused)
-    opt = ZeroRedundancyOptimizer(optimizers.decay_groups(module, wd), optimizer_class=torch.optim.AdamW, **adamw(lr))
+    opt = ZeroRedundancyOptimizer(optimizers.decay_groups(module, wd), optimizer_class=optimizer_class,
+                                  **(optimizer_kwargs or adamw(lr)))
     return _ShardedOptimizer(ddp, opt, before_step=_clipper(module, grad_clip),  # every rank has the full gradient
                              sync=lambda last: contextlib.nullcontext() if last else ddp.no_sync())
 
 
-def _fsdp2_noreshard(module, grad_clip, lr, wd):
+def _fsdp2_noreshard(module, grad_clip, lr, wd, **kw):
     """PyTorch's ZeRO-2: FSDP2 keeping the parameters gathered between forward and backward."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), reshard_after_forward=False)
-    opt = torch.optim.AdamW(optimizers.decay_groups(module, wd), **adamw(lr))
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), reshard_after_forward=False,
+                mp_policy=kw.get("mp_policy") or MixedPrecisionPolicy())
+    opt_class, opt_kwargs = _fsdp2_options(module, kw)
+    opt = opt_class(optimizers.decay_groups(module, wd), **(opt_kwargs or adamw(lr)))
     # clip_grad_norm_ over DTensor gradient shards all-reduces the norm across ranks
     return _ShardedOptimizer(module, opt, before_step=_clipper(module, grad_clip),
                              full_parameters=lambda: {n: p.full_tensor().detach().float().clone()

@@ -14,7 +14,7 @@ ARGV = ["--steps", "6", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
 def suite(world):
     """Everything lesson 01 is checked on, in one launch per world size (start-up is costly)."""
     return {**replicated_runs("01_vanilla_dp", ARGV),
-            "toy_grads": toy_grads("01", different_init=True, grad_accum=3)}
+            "toy_grads": toy_grads("01", different_init=True, grad_accum=3, find_unused=True)}
 
 
 results = launches(suite)  # one launch per world size, a failed one remembered too

@@ -17,7 +17,7 @@ BF16 = ARGV + ["--precision", "bf16"]
 # ----------------------------------------------------------------------------- in the ranks
 def suite(world):
     """Everything lesson 02 is checked on, in one launch per world size (start-up is costly)."""
-    out = {**replicated_runs(LESSON, ARGV), "toy_grads": toy_grads("02", grad_accum=3, different_init=True)}
+    out = {**replicated_runs(LESSON, ARGV), "toy_grads": toy_grads("02", grad_accum=3, different_init=True, find_unused=True)}
     if world == 2:
         out["bf16"] = run_lesson(LESSON, BF16)
         out["bf16_ddp"] = gpt_train("ddp", BF16)

@@ -56,7 +56,7 @@ def metered(train, *args, **kw):
 def toy_run(cap_mb, **kw):
     """Train the toy with this cap, recording the gradients the optimizer is given."""
     grads, storages = [], []
-    out = metered(toy_train, recording(build, grads, storages), "03", bucket_mb=cap_mb, **kw)
+    out = metered(toy_train, recording(build, grads, storages), "03", bucket_mb=cap_mb, find_unused=True, **kw)
     return {**out, "grads": grads, "storages": storages}
 
 
@@ -126,9 +126,11 @@ def test_gradients_are_the_whole_batch_gradient_in_views_of_the_buckets(world):
     for rank_out in results(world):
         for n_buckets, run in rank_out["toy_caps"].items():
             harness.grads_close(run["grads"], want, GRAD_TOL)
-            steps = len(run["losses"])  # toy_train also all-reduces each step's loss once
-            assert run["all_reduce"] == {"calls": steps * (n_buckets + 1),
-                                         "bytes": steps * (TOY_ELEMS * 4 + 4)}, f"{n_buckets} buckets"
+            # toy_train also all-reduces each step's loss once, and find_unused_parameters one
+            # fp32 flag per trainable parameter
+            steps = len(run["losses"])
+            assert run["all_reduce"] == {"calls": steps * (n_buckets + 2),
+                                         "bytes": steps * (TOY_ELEMS * 4 + 4 + len(_trainable) * 4)}, f"{n_buckets} buckets"
             # The gradients live in the flat buffers, allocated once (the same storages every
             # step) and sized exactly to the trainable parameters: views, not copies. `unused`
             # gets no gradient (zeros go in its place), as in one process and with DDP, so with
