@@ -51,9 +51,14 @@ class Ring:
 
     def _exchange(self, send, recv):
         """Send `send` to the right neighbour while receiving `recv` from the left one."""
-        request = dist.isend(send, self.right)  # async: every rank sends and receives at once
-        dist.recv(recv, self.left)
-        request.wait()
+        # Posted as one group, then both awaited. Not an isend and then a blocking recv: at
+        # N = 2 right IS left, NCCL runs a rank's send and receive to one peer in order on one
+        # stream, and a send larger than NCCL's buffers waits for the peer's receive, which
+        # waits behind the peer's own send: a deadlock. NCCL needs a send and a receive that
+        # must progress together grouped; gloo runs the same code.
+        ops = [dist.P2POp(dist.isend, send, self.right), dist.P2POp(dist.irecv, recv, self.left)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
         self.sent += send.numel() * send.element_size()
 
     def reduce_scatter(self, full):

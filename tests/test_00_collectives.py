@@ -55,3 +55,54 @@ def test_report_has_the_lessons_fields_and_every_ranks_counts(tmp_path):
     assert (report["strategy"], report["world_size"], report["backend"]) == ("collectives", 2, "gloo")
     assert report["config"]["n_layer"] == 1 and report["n_params"] <= report["numel"]
     assert report["comm"]["per_rank"] == gathered
+
+
+def point_to_point_calls():
+    """In a spawned rank: 00's all-reduce with torch.distributed's point-to-point calls
+    recorded, in order: ("bare", kind, peer) for a call outside batch_isend_irecv, and
+    ("group", [(kind, peer), ...]) for one batch_isend_irecv."""
+    import torch
+    import torch.distributed as dist
+    calls, real = [], {name: getattr(dist, name) for name in ("send", "recv", "isend", "irecv")}
+    real_p2p_op, real_batch = dist.P2POp, dist.batch_isend_irecv
+    unwrapped = {}  # recording wrapper -> the real function (P2POp accepts only the real ones)
+
+    def recorded(name):
+        def call(tensor, peer=None, *args, **kwargs):
+            calls.append(("bare", name, peer))
+            return real[name](tensor, peer, *args, **kwargs)
+        unwrapped[call] = real[name]
+        return call
+
+    def p2p_op(op, tensor, peer=None, *args, **kwargs):
+        return real_p2p_op(unwrapped.get(op, op), tensor, peer, *args, **kwargs)
+
+    def batch(ops):
+        calls.append(("group", [(p.op.__name__, p.peer) for p in ops]))
+        return real_batch(ops)
+
+    for name in real:
+        setattr(dist, name, recorded(name))
+    dist.P2POp, dist.batch_isend_irecv = p2p_op, batch
+    try:
+        ring = load_lesson("00_collectives").Ring()
+        x = torch.arange(3.0 * dist.get_world_size()) * (dist.get_rank() + 1)
+        got = ring.all_reduce(x)
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+        dist.P2POp, dist.batch_isend_irecv = real_p2p_op, real_batch
+    dist.all_reduce(x)
+    return torch.equal(got, x), ring.right, ring.left, calls
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_exchange_is_one_grouped_send_and_receive(world):
+    # NCCL deadlocks on an isend followed by a blocking recv when the peer does the same (at
+    # N = 2 the right neighbour is the left one): a send and a receive that must progress
+    # together go in one batch_isend_irecv. gloo does not deadlock, so the calls are the test:
+    # each of an all-reduce's 2 (N - 1) exchanges is one group of exactly an isend to the right
+    # and an irecv from the left, and nothing is sent or received outside a group.
+    for equal, right, left, calls in spawn(world, point_to_point_calls):
+        assert equal
+        assert calls == [("group", [("isend", right), ("irecv", left)])] * (2 * (world - 1)), calls

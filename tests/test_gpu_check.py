@@ -1,0 +1,142 @@
+"""`make gpu-check` can fail: scripts/perf/gpu_check.py driven with every run faked (no torchrun,
+no GPU), so each way a GPU run can go wrong is put in one at a time. A NaN or an infinite loss
+at any step, runs of different lengths, a wrong or failed 00: each must make it exit 1.
+(tests/test_gpu_ready.py runs the real thing on gloo.)"""
+import math
+import os
+import sys
+
+import pytest
+
+from scripts.perf import gpu_check
+from scripts.runs import LESSONS
+
+REF = [4.0, 3.9, 3.8, 3.7]  # the CPU reference's losses, and every faked run's unless told
+
+
+def report(losses):
+    """What row() reads of a lesson's report."""
+    return {"losses": losses, "step_time_s": [0.2, 0.1, 0.1, 0.1], "config": {"global_batch": 8, "seq_len": 32},
+            "memory": {"per_rank": [{"params": 1, "grads": 1, "optimizer": 1}], "theory": {"total": 3}},
+            "comm": {"overlap": None, "ring_bytes_per_step": 0, "theory_ring_bytes_per_step": 0}}
+
+
+class FakeLaunch:
+    """scripts.runs.launch as gpu_check calls it, answering from `losses` ({lesson: losses},
+    "resumed": 06's losses after the resume), `ring` (00's per-rank results, or an exception)."""
+
+    def __init__(self, losses=None, ring=None, fail=None):
+        self.losses, self.ring, self.fail, self.calls = losses or {}, ring, fail, []
+
+    def __call__(self, script, nproc, args=(), threads=1, env=None, **_):
+        args = [str(a) for a in args]
+        self.calls.append((script, nproc, args, threads, env))
+        if script == self.fail:
+            raise RuntimeError(f"python -m torch.distributed.run {script} exited 1:\nstep 0/4 | loss 4.0\n"
+                               "error (rank 1): CUDA error: an illegal memory access was encountered\n"
+                               "Traceback (most recent call last):\n  ...ChildFailedError")
+        if script == "scripts.perf.sweep":
+            worlds = args[args.index("--worlds") + 1:args.index("--lessons")]
+            return {"worlds": {w: {"reports": {name: report(self.losses.get(name, REF)) for name in LESSONS}}
+                               for w in worlds}}
+        if script == "00_collectives":
+            if isinstance(self.ring, Exception):
+                raise self.ring
+            ok = {"equal_to_torch": True, "sent_bytes": 96, "ring_bytes": 96}
+            return {"comm": {"per_rank": self.ring or [{k: ok for k in ("reduce_scatter", "all_gather", "all_reduce")}] * nproc}}
+        if script == "06_zero3" and "--save-every" in args:
+            return {"losses": REF[:2]}
+        if script == "06_zero3" and "--resume" in args:
+            return {"losses": self.losses.get("resumed", REF[2:])}
+        return {"losses": REF}  # 01 on the CPU (the reference) and 06 uninterrupted
+
+
+def gpu_check_exit(monkeypatch, tmp_path, fake, gpus=None):
+    """gpu_check's main() with `fake` for every launch (and `gpus` GPUs, if given): its exit code."""
+    monkeypatch.setattr(gpu_check, "launch", fake)
+    if gpus is not None:
+        monkeypatch.setattr(gpu_check, "machine", lambda device: (gpus, f"{gpus} x a faked GPU"))
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    return gpu_check.main()
+
+
+def test_runs_that_agree_pass_and_00_runs_at_world_2(monkeypatch, tmp_path, capsys):
+    fake = FakeLaunch()
+    assert gpu_check_exit(monkeypatch, tmp_path, fake) == 0, capsys.readouterr().out
+    assert [(nproc, "--device" in args) for script, nproc, args, _, _ in fake.calls if script == "00_collectives"] == [(2, True)]
+    # no run with the caching allocator off: every free then synchronizes the device, which hides
+    # a buffer freed while a collective still uses it
+    assert all(not env for *_, env in fake.calls), [env for *_, env in fake.calls]
+
+
+@pytest.mark.parametrize("step", [0, 1, 3])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nan_or_infinite_loss_at_any_step_fails(monkeypatch, tmp_path, capsys, bad, step):
+    losses = list(REF)
+    losses[step] = bad
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch({"04_zero1": losses})) == 1
+    assert f"04_zero1 world 2 fp32 against the CPU: loss {bad} against {REF[step]} at step {step}" in capsys.readouterr().out
+
+
+def test_a_nan_in_the_resumed_run_fails(monkeypatch, tmp_path, capsys):
+    # max() over [nan, 0.0] is nan, and nan > tolerance is False: this passed
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch({"resumed": [math.nan, REF[3]]})) == 1
+    assert "06_zero3 saved and resumed, 2 CPU ranks -> 1, against uninterrupted: loss nan" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("losses", [{"03_buckets": [4.0, 3.8, 3.7]},  # a step lost, the last one right
+                                    {"resumed": [REF[2]]}])           # resumed for one step of two
+def test_runs_of_different_lengths_fail(monkeypatch, tmp_path, capsys, losses):
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(losses)) == 1
+    out = capsys.readouterr().out
+    assert "3 steps against 4" in out or "1 steps against 2" in out
+
+
+def test_a_wrong_or_failed_00_fails(monkeypatch, tmp_path, capsys):
+    ok = {"equal_to_torch": True, "sent_bytes": 96, "ring_bytes": 96}
+    wrong = [{"reduce_scatter": ok, "all_gather": ok, "all_reduce": ok},
+             {"reduce_scatter": ok, "all_gather": dict(ok, equal_to_torch=False), "all_reduce": ok}]
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(ring=wrong)) == 1
+    assert "wrong on rank 1 all_gather" in capsys.readouterr().out
+    hung = RuntimeError("torchrun ... 00_collectives.py exited 1:\nerror (rank 0): a collective timed out\n...")
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(ring=hung)) == 1
+    assert "the run failed: error (rank 0): a collective timed out" in capsys.readouterr().out
+
+
+def test_a_failed_run_fails_in_one_line(monkeypatch, tmp_path, capsys):
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(fail="scripts.perf.sweep")) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "gpu-check: FAILED: a run failed: error (rank 1): CUDA error: an illegal memory access was "
+        f"encountered (command and output: {tmp_path}/failed_run.log)")
+    assert "ChildFailedError" in (tmp_path / "failed_run.log").read_text()
+
+
+def test_on_one_gpu_00_is_skipped_in_one_line(monkeypatch, tmp_path, capsys):
+    fake = FakeLaunch()
+    assert gpu_check_exit(monkeypatch, tmp_path, fake, gpus=1) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "00_collectives" in line]
+    assert said == ["  00_collectives: skipped, 1 GPU (its ring sends between ranks: 2 or more GPUs run it)"]
+    assert not [c for c in fake.calls if c[0] == "00_collectives"]
+
+
+def test_the_cpu_reference_uses_the_cpus_this_process_may_run_on(monkeypatch):
+    # a container or `taskset` allows 3 of the machine's 64 CPUs: 64 threads would take turns
+    fake = FakeLaunch()
+    monkeypatch.setattr(gpu_check, "launch", fake)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9}, raising=False)
+    gpu_check.cpu_reference(["--steps", "4"])
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS and Windows have none: all the CPUs
+    gpu_check.cpu_reference(["--steps", "4"])
+    assert [threads for *_, threads, _ in fake.calls] == [3, 64]
+
+
+def test_compare_is_step_by_step_and_never_passes_nan_inf_or_a_length_mismatch():
+    tol = 1e-3
+    assert gpu_check.compare(REF, [x + 1e-4 for x in REF], tol) == (pytest.approx(1e-4), None)
+    assert gpu_check.compare(REF, [4.0, 3.9, 3.85, 3.7], tol)[1] == "5.0e-02 apart (tolerance 0.001)"
+    for bad in ([math.nan, *REF[1:]], [*REF[:3], math.inf], [*REF[:3], None]):
+        assert gpu_check.compare(bad, REF, tol)[1].startswith("loss "), bad
+        assert gpu_check.compare(REF, bad, tol)[1].startswith("loss "), bad  # the reference too
+    assert gpu_check.compare(REF, REF + [3.6], tol) == (math.inf, "4 steps against 5")
+    assert gpu_check.compare([], [], tol) == (math.inf, "no steps")
