@@ -5,7 +5,13 @@ in bf16, although after the reduce-scatter each rank uses 1/N of it. ZeRO-2 (Raj
 2020, "P_os+g") never holds the whole gradient: backward fills the buckets of 03, each full
 bucket is reduce-scattered at once, while backward goes on, and a rank keeps only its slice of
 each bucket's averaged gradient. A full-size bucket buffer is freed once its reduce-scatter
-is done (at most two are in flight), so gradients take 2 Psi / N bytes plus those buckets.
+is done (at most two are in flight), so gradients take 2 Psi / N bytes plus the few buckets
+in flight or filling: the summary prints the peak measured during backward beside that bound.
+As in 03 and DDP, bucket 0 (the last layers) is capped at 1 MiB so that the first
+reduce-scatter starts early in backward. The saving needs a model many buckets long: at the
+default 25 MiB the default GPT (3.09 MiB of fp32 gradients) is two buckets, 0.76 and 2.33
+MiB, which together are the whole gradient at the end of backward; with --bucket-mb 0.25 it is
+22 buckets, and the peak stays below the whole gradient even at N = 2.
 
 The shards follow the buckets: rank r owns slice r of every bucket, of its gradient, of its
 parameters (each bucket's parameters view one flat buffer) and of the optimizer state; after
@@ -15,7 +21,7 @@ the step each bucket is all-gathered. Communication is the same as in 01 and 04:
     python 05_zero2.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 05_zero2.py                  # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=2 05_zero2.py --precision bf16 # the ZeRO paper's accounting
-    torchrun --nproc_per_node=2 05_zero2.py --bucket-mb 0.25 # many buckets; 25 MiB holds all
+    torchrun --nproc_per_node=2 05_zero2.py --bucket-mb 0.25 # 22 buckets instead of 2
     torchrun --nproc_per_node=4 05_zero2.py --device cuda    # 4 GPUs (nccl)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 05_zero2.py         # 2 nodes, run on each
@@ -55,6 +61,12 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                       per bucket that they view from then on (frozen ones stay where they are)
     optimizer_class   any torch.optim optimizer (AdamW, Adam, SGD, ...), over my shard of every bucket
     bucket_cap_mb     the bucket size, as in 03 and DDP
+    first_bucket_cap_mb  bucket 0's, as in 03 and DDP (1 MiB): its reduce-scatter starts early
+    bucket_order      the parameters in the order the model registers them (`model.parameters()`);
+                      buckets follow it backwards, so bucket 0 holds the last layers, whose
+                      gradients come first, as 03's and DDP's do. None: the order of `params`.
+                      Decay groups are not that order (every matrix, then every bias and norm):
+                      bucket 0 would wait for the first block's norms, at the end of backward.
     grad_clip         global-norm gradient clipping across all shards; 0 turns it off
     find_unused_parameters  as DDP's and 04's: a parameter no rank's backward reached is left alone
     **defaults        the optimizer's own arguments (lr, betas, momentum, ...)
@@ -66,19 +78,26 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, bucket_cap_mb=25.0, grad_clip=0.0,
-                 find_unused_parameters=False, **defaults):
+                 find_unused_parameters=False, first_bucket_cap_mb=1.0, bucket_order=None, **defaults):
         groups, frozen = optimizers.param_groups(params)  # the caller's groups, each parameter once
         self.params = [p for g in groups for p in g["params"]]
+        if bucket_order is not None:  # (the param groups keep their own order for the optimizer)
+            position = {id(p): i for i, p in enumerate(bucket_order)}
+            self.params.sort(key=lambda p: position.get(id(p), len(position)))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.grad_clip = grad_clip
         # The buckets of 03, padded so each splits into N equal shards; but the collective is a
         # reduce-scatter, and a bucket's full-size buffer exists only while it fills and is in
-        # flight. At most two in flight (double buffering, as DeepSpeed's overlap_comm): before
-        # a third starts, the oldest is waited for and freed, so the whole gradient never
-        # exists at once, not even at the end of backward.
+        # flight. At most two in flight (as DeepSpeed's overlap_comm): before a third starts,
+        # the oldest is waited for and freed. During backward a rank then holds its slices
+        # (2 Psi / N), two buckets in flight and the one filling (or two, when a gradient arrives
+        # ahead of bucket order): a few buckets' worth, however long the model.
+        # Bucket 0 is capped at 1 MiB (03, DDP): one 25 MiB bucket would be the whole gradient of
+        # a small model, reduce-scattered only once backward is over, with nothing to overlap.
         self.grad_buckets = BucketManager(self.params, bucket_cap_mb, launch=self._reduce_scatter,
                                           grads_as_views=False, pad_to=self.world_size,
-                                          on_done=self._keep_my_shard, max_in_flight=2)
+                                          on_done=self._keep_my_shard, max_in_flight=2,
+                                          first_bucket_cap_mb=first_bucket_cap_mb)  # bucket 0: starts early
         buckets = self.grad_buckets.buckets
         self.flat_params, self.param_shards, self.master_shards, self.pieces = [], [], [], []
         self.grad_shards = [None] * len(buckets)  # my slice of each bucket's gradient, kept
@@ -215,6 +234,7 @@ def main(argv=None):
     model = common.build_model(args, env)
     optimizer = ZeRO2Optimizer(optimizers.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
                                torch.optim.AdamW, bucket_cap_mb=args.bucket_mb, grad_clip=args.grad_clip,
+                               bucket_order=model.parameters(),  # bucket 0 = the last layers: fills first
                                **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "zero2", model, optimizer)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir

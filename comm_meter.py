@@ -34,6 +34,7 @@ class CommMeter:
     def __init__(self, world_size, cpu_timed=True):
         self.world, self.cpu_timed = world_size, cpu_timed
         self.ops = {}
+        self.calls = []  # [kind, payload bytes] per call, in issue order: e.g. no bucket is the whole gradient
         self.wire_bytes = None  # what this process wrote while measuring (Linux, gloo): see bytes_written
         # Overlap, timed in the wrappers (perf_counter seconds): a collective's span runs from the
         # call (issue) to its completion; for an async one, completion = when its wait() returns,
@@ -46,6 +47,7 @@ class CommMeter:
         entry = self.ops.setdefault(kind, {"calls": 0, "bytes": 0})
         entry["calls"] += 1
         entry["bytes"] += tensor.numel() * tensor.element_size()
+        self.calls.append([kind, tensor.numel() * tensor.element_size()])
 
     @contextmanager
     def measuring(self):

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import common
 from comm_meter import CommMeter
-from memory_ledger import MemoryLedger, _PeakParams, max_rss
-from theory import theory_memory, theory_ring_bytes
+from memory_ledger import MemoryLedger, Peaks, max_rss
+from theory import STATE_BYTES, buckets_in_flight, theory_memory, theory_ring_bytes
 
 
 # ----------------------------------------------------------------------------- the run
@@ -29,7 +29,7 @@ class Run:
         self.ledger = MemoryLedger(model, [*holders, optimizer])
         self.cuda = env.device.type == "cuda"
         self.comm = CommMeter(env.world_size, cpu_timed=env.backend == "gloo" and not self.cuda)
-        self.cuda_step_peak = self.peak_params = self.params_timeline = self.trace = None
+        self.cuda_step_peak = self.peak_params = self.peak_grads = self.params_timeline = self.trace = None
         if getattr(args, "trace", None):  # a tool's, imported only then (it draws with matplotlib)
             from scripts.perf.timelines import Trace
             self.trace = Trace(self)
@@ -76,8 +76,9 @@ class Run:
     @contextmanager
     def _memory_probe(self):
         """At rest = just before optimizer.step(), when params, grads and optimizer state are
-        all alive; peak_params = the most parameter bytes alive after any operation."""
-        original, probe = self.optimizer.step, _PeakParams(self.ledger)
+        all alive; peak_params = the most parameter bytes alive after any operation, peak_grads
+        the most gradient bytes after any operation of backward."""
+        original, probe = self.optimizer.step, Peaks(self.ledger)
 
         def step_with_sample(*a, **k):
             self.memory = self.ledger.measure()
@@ -86,7 +87,7 @@ class Run:
 
         self.optimizer.step = step_with_sample
         # --peak-params 0: sampling after every operation costs about 2 ms each, seconds for
-        # 01-03's step; peak_params and its timeline are then None, the rest measured as before
+        # 01-03's step; peak_params, peak_grads and the timeline are then None, the rest as before
         track = getattr(self.args, "peak_params", 1)
         try:
             with probe if track else nullcontext():
@@ -96,7 +97,8 @@ class Run:
         finally:
             self.optimizer.step = original
         if track:
-            self.peak_params, self.params_timeline = probe.peak, {"ops": probe.ops, "samples": probe.timeline}
+            self.peak_params, self.peak_grads = probe.peak, probe.peak_grads
+            self.params_timeline = {"ops": probe.ops, "samples": probe.timeline}
 
     def _log(self, step):
         t = self.step_times[-1]
@@ -106,8 +108,8 @@ class Run:
     # ------------------------------------------------------------------ summary and report
     def finish(self):
         """Gather every rank's measurements to rank 0, print the summary, write the report."""
-        measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params},
-                    "ops": self.comm.ops, "ring_bytes": self.comm.ring_bytes(),
+        measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params, "peak_grads": self.peak_grads},
+                    "ops": self.comm.ops, "calls": self.comm.calls, "ring_bytes": self.comm.ring_bytes(),
                     "wire_bytes": self.comm.wire_bytes,
                     "overlap": self.comm.overlap() or (self.trace and self.trace.gpu_overlap),
                     "timeline": self.trace and self.trace.timeline()}  # --trace: the chart's, per rank
@@ -134,7 +136,8 @@ class Run:
 
     def report(self, gathered):
         a, n = self.args, self.env.world_size
-        mem_theory = theory_memory(self.strategy, self.psi, n, a.precision)
+        mem_theory = theory_memory(self.strategy, self.psi, n, a.precision, self._grad_buckets_in_flight(),
+                                   a.grad_accum)
         return {
             "strategy": self.strategy, "world_size": n, "backend": self.env.backend,
             "device": self.env.device.type, "precision": a.precision, "n_params": self.psi,
@@ -144,6 +147,7 @@ class Run:
             "tokens_per_s": self.tokens_per_step / statistics.median(self.step_times),
             "comm": {"measured_step": self.measure_step, "per_rank": [g["ops"] for g in gathered],
                      "ops": gathered[0]["ops"],
+                     "calls": gathered[0]["calls"],  # rank 0's, in issue order: [kind, payload bytes]
                      "ring_bytes_per_step": gathered[0]["ring_bytes"],
                      "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision,
                                                                        a.grad_accum),
@@ -157,6 +161,17 @@ class Run:
             "memory": {"per_rank": [g["memory"] for g in gathered], "theory": mem_theory,
                        "params_timeline": gathered[0].get("params_timeline")},
         }
+
+    def _grad_buckets_in_flight(self):
+        """What gradient buckets found on the strategy (a bucket.BucketManager whose buffers
+        exist only in flight: 05's; 03's are the gradients themselves) may hold during backward
+        beside the gradients at rest (theory.buckets_in_flight, from their layout)."""
+        for root in self.ledger.roots:
+            for m in (root, *getattr(root, "__dict__", {}).values()):
+                if hasattr(m, "max_in_flight") and not getattr(m, "grads_as_views", True) and m.buckets:
+                    largest = max(p.numel() * p.element_size() for b in m.buckets for p in b.params)
+                    return buckets_in_flight([b.nbytes() for b in m.buckets], m.max_in_flight, largest)
+        return 0
 
     def _summary(self, r):
         mib = 2 ** 20
@@ -185,6 +200,10 @@ class Run:
             row += f" | peak_params {m['peak_params'] / mib:.2f} during the step"
         print(f"  memory rank 0, MiB at rest: {row}"
               + (f" | other {m['other'] / mib:.2f}" if m.get("other") else ""), flush=True)
+        if m.get("peak_grads") is not None:  # ZeRO-2: my slices plus the buckets in flight; 01-04 all of it
+            bound = th["peak_grads"] and f" (theory {th['peak_grads'] / mib:.2f}: at rest + buckets in flight)"
+            print(f"  gradients rank 0, MiB: peak during backward {m['peak_grads'] / mib:.2f}{bound or ''} | "
+                  f"the whole gradient {STATE_BYTES[r['precision']]['grads'] * r['n_params'] / mib:.2f}", flush=True)
         if m.get("cuda_step_peak") is not None:  # everything the step allocated: activations too
             held = sum(m.get(k, 0) for k in ("params", "grads", "optimizer"))
             print(f"  GPU rank 0, MiB: peak allocated in the measured step {m['cuda_step_peak'] / mib:.2f} | "

@@ -1,7 +1,7 @@
 """Memory, observed from outside the lessons: MemoryLedger walks the tensors a strategy and its
 optimizer actually hold and sums their storages (each storage once), by category; sampled after
-every tensor operation of the measured step (_PeakParams) it finds the most parameter bytes
-alive at once; max_rss is the whole process.
+every tensor operation of the measured step (Peaks) it finds the most parameter bytes alive at
+once, and the most gradient bytes alive during backward; max_rss is the whole process.
 """
 import resource
 import sys
@@ -35,7 +35,13 @@ class MemoryLedger:
         self._updated, seen = [], set()  # _updated: the tensors every optimizer found updates
         for root in self.roots:
             self._walk(root, "other", found, seen, depth=0)
-        return found
+        # then a wrapper module's own attributes (06's units, their gradients in flight), keeping
+        # only what their names say (grads, params, master weights): nothing found above changes
+        for root in self.roots:
+            for k, v in vars(root).items() if isinstance(root, nn.Module) else ():
+                if not k.startswith("_"):
+                    self._walk(v, _category(k, None), found, seen, depth=1)
+        return [(category, t) for category, t in found if category is not None]
 
     def _walk(self, obj, category, found, seen, depth):
         if id(obj) in seen or depth > 8:
@@ -105,22 +111,27 @@ def _category(name, inherited):
     return inherited
 
 
-class _PeakParams(TorchDispatchMode):
-    """Samples the parameter bytes alive after every tensor operation of the measured step.
+class Peaks(TorchDispatchMode):
+    """Samples the bytes held after every tensor operation of the measured step: `peak` is the
+    most parameter bytes, `peak_grads` the most gradient bytes during backward (inside
+    loss.backward(): the hooks and the callbacks it runs included).
 
     Also keeps the series: `timeline` holds [op index, parameter bytes, phase, op name] at every
     operation after which the bytes or the phase (forward, backward, optimizer) changed."""
 
     def __init__(self, ledger):
         super().__init__()
-        self.ledger, self.peak = ledger, 0
+        self.ledger, self.peak, self.peak_grads = ledger, 0, 0
         self.ops, self.in_optimizer, self.timeline = 0, False, []
 
     def sample(self, name="start"):
-        params = self.ledger.measure()["params"]
+        held = self.ledger.measure()
+        params = held["params"]
         self.peak = max(self.peak, params)
         phase = ("optimizer" if self.in_optimizer else
                  "backward" if torch._C._current_graph_task_id() != -1 else "forward")
+        if phase == "backward":
+            self.peak_grads = max(self.peak_grads, held["grads"])
         if not self.timeline or self.timeline[-1][1:3] != [params, phase]:
             self.timeline.append([self.ops, params, phase, name])
 

@@ -23,20 +23,39 @@ SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
            "torch_fsdp2": ("optimizer", "grads", "params"), "torch_local": ()}
 
 
-def theory_memory(strategy, psi, world, precision):
-    """Bytes per rank for each model state, ZeRO paper Figure 1 / Table 1."""
+def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
+    """Bytes per rank for each model state, ZeRO paper Figure 1 / Table 1; and `peak_grads`, the
+    most gradient bytes alive during backward: `in_flight` bytes (buckets_in_flight) on top of the
+    gradients at rest."""
     if strategy in ("zero3", "torch_fsdp2"):  # FSDP2's convention: bf16 only in flight; at rest
         precision = "fp32"  # fp32 shards (the master weights), fp32 gradient shards, 2 moments
     out = {}
     for key, b in STATE_BYTES[precision].items():
         out[key] = psi * b / world if key in SHARDED[strategy] else psi * b
     out["peak_params"] = out["params"]  # ZeRO-3 adds the gathered units in flight
+    # 01-04 and 03's buckets: the whole gradient. ZeRO-2: my slices of the buckets (kept, or
+    # arriving from a reduce-scatter) plus the full-size buckets in flight; with micro-steps, also
+    # the fp32 slices kept from the earlier ones (05's docstring). ZeRO-3: no formula here (its
+    # units' gradients in flight), a measurement.
+    out["peak_grads"] = None if "params" in SHARDED[strategy] else out["grads"] + in_flight + (
+        4 * psi / world if grad_accum > 1 and "grads" in SHARDED[strategy] else 0)
     # of the optimizer state, the fp32 master weights: 4 of the K = 12 bytes in bf16; in fp32 the
     # optimizer updates the parameters themselves
     master = 4 * psi if precision == "bf16" else 0
     out["master_weights"] = master / world if "optimizer" in SHARDED[strategy] else master
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def buckets_in_flight(bucket_bytes, max_in_flight, largest_grad):
+    """The full-size gradient bytes a bucketed ZeRO-2 (05, bucket.BucketManager with buffers
+    allocated at a bucket's first gradient and freed once its reduce-scatter is done) can hold
+    during backward besides its slices: `max_in_flight` consecutive buckets in flight (None: all
+    until the end of backward), the one filling and the next, which a gradient arriving ahead of
+    bucket order starts; and one p.grad between autograd and its hook (`largest_grad`, bytes).
+    `bucket_bytes`: each bucket's padded bytes, in bucket order."""
+    window = len(bucket_bytes) if max_in_flight is None else max_in_flight + 2
+    return max(sum(bucket_bytes[i:i + window]) for i in range(len(bucket_bytes))) + largest_grad
 
 
 # ring factor: bytes one rank sends, per byte of the full-size tensor

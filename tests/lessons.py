@@ -119,6 +119,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
                                                          **opt_kwargs)
             return _ShardedOptimizer(module, opt)
         opt = load_lesson("05_zero2").ZeRO2Optimizer(optimizers.decay_groups(module, wd), opt_class, bucket_cap_mb=bucket_mb,
+                                                     bucket_order=module.parameters(),
                                                      find_unused_parameters=kw.get("find_unused", False),
                                                      grad_clip=grad_clip, **opt_kwargs)
         return _ShardedOptimizer(module, opt)  # its reduce-scatters end inside backward

@@ -3,28 +3,28 @@
 paper. Tolerances: tests/zero_parity.py."""
 
 import pytest
-import torch
-import torch.distributed as dist
 
 import common
-import optimizers
-import memory_ledger
 from graded import load_lesson
 from harness import comm_ops, gpt_train, held, launches, memory_theory, run_lesson, sent_bytes, theory_bytes
 from lessons import build
-from model import GPT, get_batch
+from model import GPT
 from toy import make_toy, toy_train
 from zero_parity import ARGV, PSI, SGD, bf16_parity, gpt_parity, optimizer_bytes, toy_parity
 
 LESSON = "05_zero2"
 MIB = 2 ** 20
-ARGV = ARGV + ["--bucket-mb", "0.02"]  # 8 buckets in fp32, 4 in bf16 (ZeRO-2's cap is in bytes)
+ARGV = ARGV + ["--bucket-mb", "0.02"]  # 7 buckets in fp32, 4 in bf16 (ZeRO-2's cap is in bytes)
 CLIP = ARGV + ["--grad-clip", "0.05"]
 ACCUM_CLIP = CLIP + ["--grad-accum", "2"]
 BF16 = ARGV + ["--precision", "bf16"]
 # For the gradient bytes alive during backward: 8 layers (Psi = 110,715) in buckets of at most
-# 5 KiB or one tensor (the largest, 4,356 elements, 8.5 KiB in bf16): 36 buckets.
-DEEP = BF16 + ["--n-layer", "8", "--bucket-mb", repr(5 / 1024)]
+# 5 KiB or one tensor (the largest, 4,356 elements, 8.5 KiB in bf16): 50 buckets.
+DEEP = BF16 + ["--n-layer", "8", "--bucket-mb", repr(5 / 1024), "--steps", "2"]
+# The default GPT (Psi = 809,728: 3.09 MiB of fp32 gradients) at the default 25 MiB: two
+# buckets, a 1 MiB first one (0.76 MiB: the last block) and the rest (2.33 MiB); at 0.25 MiB, 22.
+DEFAULT = ["--steps", "2", "--log-every", "100"]
+DEFAULT_MANY = DEFAULT + ["--bucket-mb", "0.25"]
 # The toy, in bucket order (reverse registration): hidden's two tensors fill bucket 0 to the
 # byte; the embedding (tied to the head), bigger than the cap, gets bucket 1; `unused` (never
 # a gradient) is alone in bucket 2, never full during backward: finish() sends it as zeros.
@@ -32,48 +32,67 @@ _toy = make_toy()
 TOY_CAP = sum(p.numel() for p in _toy.hidden.parameters()) * 4 / MIB
 
 
-def layout(argv, world):
-    """(padded Psi, number of buckets) of the GPT of argv in the lesson's buckets: each bucket
-    padded to a multiple of N on its own."""
+def buckets(argv, world):
+    """The buckets of main()'s ZeRO2Optimizer for the GPT of argv: bucket.py's BucketManager over
+    the parameters in the model's order (main() passes bucket_order=model.parameters()), bucket 0
+    capped at 1 MiB, each bucket padded to a multiple of N on its own."""
     args = common.parse_args(argv)
     model = GPT(common.model_config(args), seed=None).to(common.working_dtype(args))
     manager = load_lesson("bucket").BucketManager  # the graded bucket.py (graded.LESSONS_DIR)
-    params = [p for g in optimizers.decay_groups(model, 0.1) for p in g["params"]]  # main()'s groups, in order
-    buckets = manager(params, args.bucket_mb, launch=None, grads_as_views=False, pad_to=world).buckets
-    return sum(b.numel_padded for b in buckets), len(buckets)
+    return manager(list(model.parameters()), args.bucket_mb, launch=None, grads_as_views=False, pad_to=world,
+                   first_bucket_cap_mb=1).buckets
+
+
+def layout(argv, world):
+    """(padded Psi, number of buckets) of the GPT of argv in the lesson's buckets."""
+    bs = buckets(argv, world)
+    return sum(b.numel_padded for b in bs), len(bs)
 
 
 def bucket_numels(argv, world):
     """Each bucket's parameter sizes, in its layout."""
+    return [[p.numel() for p in b.params] for b in buckets(argv, world)]
+
+
+def gradient_bound(argv, world):
+    """The most gradient bytes 05 can hold during backward, from its layout: my slice of every
+    bucket (kept, or arriving from its reduce-scatter; with micro-steps also the fp32 slices kept
+    from the earlier ones), four consecutive full-size buckets (two in flight, the one filling
+    and the next, which a gradient arriving ahead of bucket order starts: a norm's weight comes
+    before its bias) and one p.grad between autograd and the hook that empties it."""
     args = common.parse_args(argv)
-    model = GPT(common.model_config(args), seed=None).to(common.working_dtype(args))
-    manager = load_lesson("bucket").BucketManager
-    params = [p for g in optimizers.decay_groups(model, 0.1) for p in g["params"]]  # main()'s groups, in order
-    return [[p.numel() for p in b.params] for b in manager(params, args.bucket_mb, launch=None,
-                                                          grads_as_views=False, pad_to=world).buckets]
+    nbytes = 2 if args.precision == "bf16" else 4
+    bs = buckets(argv, world)
+    slices = sum(b.numel_padded for b in bs) // world * (nbytes + (4 if args.grad_accum > 1 else 0))
+    full = [b.numel_padded * nbytes for b in bs]
+    largest = max(p.numel() for b in bs for p in b.params) * nbytes
+    return slices + max(sum(full[i:i + 4]) for i in range(len(full))) + largest
 
 
 # ----------------------------------------------------------------------------- in the ranks
-def gradient_peak(argv):
-    """The most gradient bytes the ledger finds held during one bf16 backward of 05: sampled as
-    each parameter's gradient has been handed to its bucket (the lesson's hook runs first), and
-    after the last bucket finished. Full-size buckets filling or in flight, the slices received
-    so far: a lesson that kept every bucket until the end of backward would peak at 2 Psi."""
-    args = common.parse_args(argv)
-    env = common.Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "gloo")
-    model = common.build_model(args, env)
-    optimizer = load_lesson(LESSON).ZeRO2Optimizer(model.parameters(), bucket_cap_mb=args.bucket_mb,
-                                                   **optimizers.adamw_kwargs(args))
-    ledger, peak = memory_ledger.MemoryLedger(model, [optimizer]), [0]
+def recorded(argv):
+    """main() (run_lesson), and for each backward the gradient bytes that had arrived when
+    bucket 0's reduce-scatter was issued (counted in the lesson's own gradient hook)."""
+    cls = load_lesson(LESSON).ZeRO2Optimizer
+    grad_ready, reduce_scatter = cls._grad_ready, cls._reduce_scatter
+    arrived, at_first = [], []
 
-    def sample(_=None):
-        peak[0] = max(peak[0], ledger.measure()["grads"])
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(sample)
-    x, y = get_batch(args, env, 0, 0)
-    model(x, y).backward()  # its last act: wait for the reduce-scatters, keep my slices
-    sample()
-    return peak[0]
+    def counting(self, p):
+        arrived.append(p.numel() * p.element_size())
+        return grad_ready(self, p)
+
+    def noting(self, bucket):
+        if bucket.index == 0:
+            at_first.append(sum(arrived))
+        if bucket.index == len(self.grad_buckets.buckets) - 1:  # the backward's last: start again
+            arrived.clear()
+        return reduce_scatter(self, bucket)
+    cls._grad_ready, cls._reduce_scatter = counting, noting
+    try:
+        out = run_lesson(LESSON, argv)
+    finally:
+        cls._grad_ready, cls._reduce_scatter = grad_ready, reduce_scatter
+    return {**out, "arrived_at_first": at_first}
 
 
 def suite(world):
@@ -89,7 +108,10 @@ def suite(world):
         "toy_sgd": toy_train(build, "05", bucket_mb=TOY_CAP, **SGD),
     }
     if world > 1:
-        out["gradient_peak"] = gradient_peak(DEEP)
+        out["deep"] = run_lesson(LESSON, DEEP)
+    if world == 2:
+        out["default"] = recorded(DEFAULT)
+        out["default_many"] = recorded(DEFAULT_MANY)
     return out
 
 
@@ -137,20 +159,58 @@ def test_memory_at_rest_bf16_is_zero2_theory_plus_padding(world):
             assert abs(m[key] - theory[key]) <= n_buckets * 12 * (world - 1) + 4 * n_tensors, key
 
 
+def peak_grads(report):
+    """Per rank, the most gradient bytes alive during backward, measured after every tensor
+    operation of the measured step (memory_ledger.Peaks)."""
+    return [m["peak_grads"] for m in held(report)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gradient_bytes_during_backward_are_my_slices_plus_the_buckets_in_flight(world):
+    runs = [("main", ARGV), ("accum_clip", ACCUM_CLIP), ("bf16", BF16)]
+    runs += [("deep", DEEP)] if world > 1 else []
+    runs += [("default", DEFAULT), ("default_many", DEFAULT_MANY)] if world == 2 else []
+    for key, argv in runs:
+        report, bound = results(world)[0][key]["report"], gradient_bound(argv, world)
+        assert all(0 < peak <= bound for peak in peak_grads(report)), key
+        # the report's theory: the same bound, less the slices' padding (less than one element
+        # per bucket, of at most 8 bytes: 4 more for the fp32 slices accumulated into)
+        assert bound - 8 * layout(argv, world)[1] <= memory_theory(report)["peak_grads"] <= bound, key
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_gradient_bytes_during_backward_are_my_shards_plus_the_buckets_in_flight(world):
-    args = common.parse_args(DEEP)
-    model = GPT(common.model_config(args), seed=None)
-    psi, largest = common.n_params(model), max(p.numel() for p in model.parameters())
-    n, n_buckets = layout(DEEP, world)
-    assert n_buckets > 20
-    bucket = 2 * max(largest, args.bucket_mb * MIB / 2)  # bytes of the largest full-size bucket
-    # my shards (2 Psi / N), up to 2 buckets in flight with their incoming shards and 1 filling,
-    # and one p.grad between autograd and its hook (at most the largest tensor's)
-    bound = 2 * n / world + 3 * bucket + 2 * bucket / world + 2 * largest
-    for out in results(world):
-        assert out["gradient_peak"] <= bound
-        assert out["gradient_peak"] < 2 * psi * 0.8  # well below ZeRO-1's whole gradient
+def test_a_model_many_buckets_long_never_holds_its_whole_gradient(world):
+    # bf16, 36 buckets: even the bound is well below the whole gradient (ZeRO-1's 2 Psi)
+    report = results(world)[0]["deep"]["report"]
+    whole = 2 * report["n_params"]
+    assert max(peak_grads(report)) <= gradient_bound(DEEP, world) < 0.8 * whole
+    if world == 2:  # the default GPT at --bucket-mb 0.25 (22 buckets), fp32: my slices are half of it
+        report = results(2)[0]["default_many"]["report"]
+        assert max(peak_grads(report)) <= gradient_bound(DEFAULT_MANY, 2) < 4 * report["n_params"]
+
+
+def test_default_gpt_no_collective_takes_the_whole_gradient():
+    # At the default 25 MiB the default GPT is two buckets: bucket 0, capped at 1 MiB as in 03
+    # (0.76 MiB: the last block), and the rest (2.33 MiB): no call moves the whole gradient
+    for key, argv in (("default", DEFAULT), ("default_many", DEFAULT_MANY)):
+        report = results(2)[0][key]["report"]
+        whole = 4 * report["n_params"]
+        assert comm_ops(report)["reduce_scatter"]["calls"] == layout(argv, 2)[1] >= 2, key
+        scatters = [nbytes for kind, nbytes in report["comm"]["calls"] if kind == "reduce_scatter"]
+        assert scatters[0] <= MIB, key  # bucket 0, in issue order
+        assert max(nbytes for _, nbytes in report["comm"]["calls"]) < whole, key
+
+
+def test_default_gpt_first_reduce_scatter_starts_early_in_backward():
+    # Bucket 0 holds the last layers, whose gradients come first: its reduce-scatter is issued
+    # with most of the gradient still to compute. (Bucketed in decay-group order, every matrix
+    # and then every bias and norm, it would wait for block 0's norms, at the end of backward.)
+    for key in ("default", "default_many"):
+        whole = 4 * results(2)[0][key]["report"]["n_params"]
+        for rank, out in enumerate(results(2)):
+            assert len(out[key]["arrived_at_first"]) == 2, key  # one per step (DEFAULT: 2 steps)
+            for arrived in out[key]["arrived_at_first"]:
+                assert arrived <= MIB < whole / 2, (key, rank, arrived)
 
 
 @pytest.mark.parametrize("world", [2, 4])
