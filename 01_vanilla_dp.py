@@ -8,7 +8,10 @@ takes the same optimizer step, so the replicas never drift apart.
 Used like PyTorch's `DistributedDataParallel`: wrap the model, build any torch.optim optimizer
 over `model.parameters()`, and the loop stays the one written for DDP. The all-reduce runs at
 the end of `loss.backward()`, as DDP's does; `with model.no_sync():` skips it for the micro-steps
-of gradient accumulation (DDP's `require_backward_grad_sync` is the flag behind it).
+of gradient accumulation (DDP's `require_backward_grad_sync` is the flag behind it). In bf16,
+micro-steps' gradients add up in fp32, never in bf16: ddp.Replicated keeps their fp32 sum, and
+p.grad holds it rounded once, which is what the all-reduce moves (a bf16 running sum keeps 8
+significant bits: a small micro-step's gradient can vanish in it whole).
 
     python 01_vanilla_dp.py                                  # one process (world size 1)
     torchrun --nproc_per_node=2 01_vanilla_dp.py             # 2 ranks on CPU (gloo)

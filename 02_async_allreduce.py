@@ -4,7 +4,9 @@ its parameter's hook, while backward goes on computing the gradients of earlier 
 In 01 the network idles during backward and the cores idle during the all-reduces. But backward
 produces gradients last layer first, and a parameter's gradient is final as soon as autograd has
 accumulated it into `.grad`: its all-reduce can start right then. Before the optimizer step we
-wait for every one of them. Same bytes as 01, same result; only the timing changes.
+wait for every one of them. Same bytes as 01, same result; only the timing changes. (In bf16,
+micro-steps' gradients add up in fp32, never in bf16: the hook finds p.grad holding their fp32 sum
+rounded once, as in 01.)
 
     python 02_async_allreduce.py                                  # one process (world size 1)
     torchrun --nproc_per_node=2 02_async_allreduce.py             # 2 ranks on CPU (gloo)

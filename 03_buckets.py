@@ -9,7 +9,9 @@ calls (on a 2-core CPU with gloo, 52 per-parameter all-reduces took 57 ms, one 2
 4 ms). This is what PyTorch's DistributedDataParallel does (`bucket_cap_mb=25` by default).
 Bucket 0, which holds the last layers (their gradients come first), is capped at 1 MiB, as
 DDP's (`_DEFAULT_FIRST_BUCKET_BYTES`): with one 25 MiB bucket a small model's all-reduce would
-start only when backward is over, with nothing left to overlap it with.
+start only when backward is over, with nothing left to overlap it with. In bf16, micro-steps'
+gradients add up in fp32, never in bf16: each bucket receives their fp32 sum rounded once, as
+in 01.
 
     python 03_buckets.py                                  # one process (world size 1)
     torchrun --nproc_per_node=2 03_buckets.py             # 2 ranks on CPU (gloo)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import checkpoint
 import common
+import ddp
 import lifecycle
 import measure
 import optimizers
@@ -55,6 +56,9 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     (checkpoint.py saves and resumes the whole run, at any world size). Rank 0's parameters are
     broadcast here, so ranks may start from different weights. Call `step()` once per optimizer
     step, after the last micro-step's backward, then `zero_grad()`.
+
+    In bf16, micro-steps' gradients add up in fp32, never in bf16: the flat buffer holds their
+    fp32 sum (ddp.FP32Accumulation, as 01-03) rounded once, which the reduce-scatter moves.
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, grad_clip=0.0, find_unused_parameters=False,
@@ -110,6 +114,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self.used = optimizers.UsedParameters(self.params, device) if find_unused_parameters else None
         for p in self.params if self.used else ():
             p.register_post_accumulate_grad_hook(self.used.mark)
+        # in bf16, from a parameter's second micro-step on: an fp32 sum, 4 bytes per parameter
+        self.grad_accumulation = ddp.FP32Accumulation(self.params)
         self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
 
     @torch.no_grad()
@@ -158,6 +164,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
                 p.grad = None
         else:
             self.flat_grad.zero_()
+        self.grad_accumulation.reset()  # the next backward starts a new sum
 
     def _gradients_into_flat_buffer(self):
         for p, view in zip(self.params, self.grad_views):
@@ -199,7 +206,7 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
-                loss.backward()  # gradients accumulate locally, in the flat buffer
+                loss.backward()  # gradients accumulate locally, in the flat buffer (bf16: in fp32)
                 losses.append(loss)
             # ZeRO-1 keeps the full gradient, so it communicates once per optimizer step:
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule

@@ -29,10 +29,11 @@ the step each bucket is all-gathered. Communication is the same as in 01 and 04:
 PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)`; DeepSpeed: ZeRO stage 2.
 
 Gradient accumulation (--grad-accum K): this lesson reduce-scatters on every micro-step and
-adds my slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do, in
-fp32 (in bf16 mode the shard becomes fp32 at the second micro-step: 4 Psi / N bytes). The other
-choice, accumulating locally and reducing once, needs the whole gradient alive between
-micro-steps: 2 Psi bytes, ZeRO-1's gradient memory, which is what this stage exists to remove.
+adds my slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do. In bf16,
+micro-steps' gradients add up in fp32, never in bf16 (the shard becomes fp32 at the second
+micro-step: 4 Psi / N bytes). The other choice, 04's, accumulating locally and reducing once,
+needs the whole gradient alive between micro-steps: 2 Psi bytes, and in bf16 4 Psi more for
+its fp32 sum, which is what this stage exists to remove.
 The price of keeping 2 Psi / N: K reduce-scatters per optimizer step, (K + 1) Psi (N-1)/N
 elements sent instead of 2 Psi (N-1)/N, each hidden behind its micro-step's backward as far
 as the bandwidth allows. Where memory is plenty and bandwidth scarce, ZeRO-1 accumulates for free.

@@ -1,9 +1,11 @@
 """DistributedDataParallel's shape, which 01-03 share so that a loop written for DDP runs them
-unchanged (Replicated), and the end-of-backward callback DDP's reducer finishes its all-reduces
-with (at_end_of_backward; 05's reduce-scatters too). The collectives here are bookkeeping: the
+unchanged (Replicated), the end-of-backward callback DDP's reducer finishes its all-reduces
+with (at_end_of_backward; 05's reduce-scatters too), and the fp32 sum of bf16 micro-step
+gradients that 01-04 accumulate into (FP32Accumulation). The collectives here are bookkeeping: the
 broadcast of rank 0's weights when a strategy is built, and find_unused_parameters' flags.
 """
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,9 @@ class Replicated(nn.Module):
         self.world_size = dist.get_world_size()
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.used = UsedParameters(trainable, trainable[0].device) if find_unused_parameters and trainable else None
+        # Built before the lesson registers its hooks, so that a syncing backward's hook finds
+        # p.grad already holding the fp32 sum of the micro-steps, rounded once.
+        self.grad_accumulation = FP32Accumulation(trainable)
         # Ranks may start from different random weights: make rank 0's the truth, as DDP does
         # when it is built.
         with torch.no_grad():
@@ -52,6 +57,9 @@ class Replicated(nn.Module):
     def at_end_of_backward(self, fn):
         if self.require_backward_grad_sync:
             at_end_of_backward(self, fn)
+            # the gradients this backward synchronizes are the optimizer step's: the next
+            # backward starts a new sum
+            at_end_of_backward(self.grad_accumulation, self.grad_accumulation.reset)
 
     def unused_everywhere(self, with_grad_here):
         """find_unused_parameters=True: the trainable parameters that have a gradient on no rank,
@@ -78,3 +86,50 @@ def at_end_of_backward(owner, fn):
     def run():
         fn()
     torch.autograd.Variable._execution_engine.queue_callback(run)
+
+
+class FP32Accumulation:
+    """Gradient accumulation (--grad-accum K > 1) of bf16 gradients, in fp32: every lesson's
+    convention (01-04 here; 05 and 06 add up their fp32 gradient shards). Autograd adds each
+    micro-step's gradient into the bf16 p.grad, and a bf16 sum keeps 8 significant bits: every
+    addition rounds away up to 2^-9 of the total, and a small micro-step's gradient can vanish
+    whole. So from a parameter's second gradient on, each one is added into an fp32 accumulator
+    instead, and p.grad is set to that sum rounded once: p.grad always holds bf16(fp32 sum so
+    far), which the collective then moves. (Megatron-LM's main_grad does the same:
+    accumulate_allreduce_grads_in_fp32.) The accumulators are memory: 4 bytes per parameter,
+    kept once a step needed them (as main_grad is), besides the 2 of p.grad. fp32 parameters and
+    one backward per step (K = 1) never get one, and are untouched. reset() once an optimizer
+    step has consumed the gradients (Replicated: after a syncing backward; 04: zero_grad())."""
+
+    def __init__(self, params):
+        self.grad_accumulators = {}  # p -> fp32 tensor shaped like p
+        self.arrived, self.summing = set(), set()  # since reset(): p got a gradient; p's is in fp32
+        for p in params:
+            if p.requires_grad and p.dtype != torch.float32:
+                # register_hook fires before autograd adds the incoming gradient into p.grad, and
+                # is passed it alone: the one place to see a micro-step's gradient unrounded
+                p.register_hook(functools.partial(self._arriving, p))
+                p.register_post_accumulate_grad_hook(self._accumulated)
+
+    @torch.no_grad()
+    def _arriving(self, p, grad):
+        if p not in self.arrived or p.grad is None:  # the first: autograd stores it exactly
+            self.arrived.add(p)
+            self.summing.discard(p)
+            return
+        acc = self.grad_accumulators.get(p)
+        if acc is None:
+            acc = self.grad_accumulators[p] = torch.zeros_like(p, dtype=torch.float32)
+        if p not in self.summing:  # p.grad holds the first gradient, exactly
+            acc.copy_(p.grad)
+            self.summing.add(p)
+        acc.add_(grad)
+
+    @torch.no_grad()
+    def _accumulated(self, p):  # autograd has added in bf16: replace that with one rounding
+        if p in self.summing:
+            p.grad.copy_(self.grad_accumulators[p])
+
+    def reset(self):
+        self.arrived.clear()
+        self.summing.clear()

@@ -21,6 +21,9 @@ SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
            "torch_ddp": (), "torch_zero_redundancy": ("optimizer",),
            "torch_fsdp2_noreshard": ("optimizer", "grads"),
            "torch_fsdp2": ("optimizer", "grads", "params"), "torch_local": ()}
+# the lessons that keep whole gradients and add bf16 micro-steps into a whole fp32 accumulator
+# (05 and 06 add into their fp32 gradient shards instead)
+ACCUMULATE_FP32 = ("vanilla_dp", "async_allreduce", "buckets", "zero1")
 
 
 def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
@@ -32,6 +35,8 @@ def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
     out = {}
     for key, b in STATE_BYTES[precision].items():
         out[key] = psi * b / world if key in SHARDED[strategy] else psi * b
+    if precision == "bf16" and grad_accum > 1 and strategy in ACCUMULATE_FP32:  # ddp.FP32Accumulation
+        out["grads"] += 4 * psi  # the fp32 sum of the micro-steps, beside the bf16 gradient it rounds into
     out["peak_params"] = out["params"]  # ZeRO-3 adds the gathered units in flight
     # 01-04 and 03's buckets: the whole gradient. ZeRO-2: my slices of the buckets (kept, or
     # arriving from a reduce-scatter) plus the full-size buckets in flight; with micro-steps, also
