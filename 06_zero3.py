@@ -11,8 +11,13 @@ gradients and optimizer state are all Psi / N. A unit is whole only while it com
     # 2) forward unit i
     # 3) free unit i's full parameters (keep my shard)
     # 4) all-gather unit i again for its backward (prefetched the same way, in reverse order)
-    # 5) reduce-scatter unit i's gradients as soon as they are complete; free them
+    # 5) reduce-scatter unit i's gradients once its backward is over; free them
     # 6) the optimizer on my shards (nothing to all-gather after it: the next forward gathers)
+
+Every rank issues these collectives, unit by unit, in this order whatever its data did: a unit
+(or a part of one: an MoE expert with no tokens here) that this rank's forward or backward skips
+is gathered, and its zero gradient reduce-scattered, all the same, where the ranks that ran it
+do; else the ranks' collectives pair up wrongly (gloo: "collective mismatch"; NCCL: a hang).
 
 Each step gathers every parameter twice and reduce-scatters every gradient once: 3 Psi (N-1)/N
 elements sent per rank, 1.5x what 01-05 send (3 K Psi with K micro-steps: no rank holds a whole
@@ -109,7 +114,7 @@ class Unit:
                 p.data = self.flat_param[offset:offset + p.numel()].view(p.shape)
             self.flat_param.untyped_storage().resize_(0)
         self.flat_grad = self.grad_shard = self.gather_work = None
-        self.pending, self.reduced = len(self.trainable), False  # gradients still to come
+        self.reduced = False  # its gradients reduce-scattered in this backward
 
 
 class ZeRO3(nn.Module):
@@ -117,18 +122,21 @@ class ZeRO3(nn.Module):
 
     module         a plain nn.Module; its parameters may be on the meta device (no memory)
     units          submodules gathered, freed and reduced one at a time, listed in the order
-                   forward runs them; every other parameter (a tied one too) is the root's
+                   forward runs them (each at most once; a rank's data may skip any); every
+                   other parameter (a tied one too) is the root's
     mp_policy      FSDP2's MixedPrecisionPolicy: its param_dtype and reduce_dtype
     param_init_fn  param_init_fn(submodule, prefix) initialises one unit of a meta module in
                    place once its memory exists; prefix is its name ("" for the root)
     prefetch       issue the next unit's all-gather while the current one computes
     device         where a meta module is materialised (default: where its parameters are)
     find_unused_parameters  as DDP's: a parameter no rank's backward reached gets no gradient
-                   (the optimizer skips it, as one process does); a small all-reduce per backward
+                   (the optimizer skips it, as one process does; without: a zero gradient);
+                   a small all-reduce per backward
 
     `parameters()` / `named_parameters()` are my shards (flat; named as the module names its
     parameters): build any torch.optim optimizer over them. `loss.backward()` leaves each
-    shard's averaged gradient in its `.grad` (micro-steps add up there, until zero_grad()).
+    shard's averaged gradient in its `.grad` (micro-steps add up there, until zero_grad(): In
+    bf16, micro-steps' gradients add up in fp32, never in bf16, since the shards are fp32).
     `clip_grad_norm_(max_norm)` clips across all ranks' shards, as FSDP1's method of that name.
     A meta module is materialised, initialised and sharded one unit at a time, so no rank holds
     more than one full unit besides its shards; a materialised one takes rank 0's values.
@@ -218,16 +226,34 @@ class ZeRO3(nn.Module):
             self._unshard(self.units[index], wait=False)  # overlaps with the current unit
 
     def _pre_forward(self, unit, module, args):
+        if unit.index > 0:
+            self._forward_until(unit.index)
+        else:
+            self.next_unit = 1  # the next unit forward should reach (in backward: counting down)
         self._unshard(unit)  # 1) all-gather (or wait for the prefetch issued one unit earlier)
         self._prefetch(unit.index + 1)
+
+    def _forward_until(self, index):
+        """Forward reaches unit `index`: those before it that this rank skipped (a block its data
+        routed around) are gathered and freed all the same, as where they ran."""
+        if index < self.next_unit:
+            raise RuntimeError(f"ZeRO3: unit {index} ran twice or out of order: "
+                               "list the units in the order forward runs them, each once")
+        for skipped in self.units[self.next_unit:index]:
+            self._unshard(skipped)
+            self._prefetch(skipped.index + 1)
+            self._reshard(skipped)
+        self.next_unit = index + 1
 
     def _post_forward(self, unit, module, args, output):
         # 3) free. The root too: its layers run first and last in forward, so it stays gathered
         # through forward, then, like every unit, is gathered again for backward: 3 Psi a step,
         # as in the paper. (FSDP2 keeps its root: a small unit, gathered once.)
         self._reshard(unit)
-        if unit.index == 0:  # the root's inputs are token ids, with no gradient to hook: hook
-            outputs = output if isinstance(output, (tuple, list)) else [output]  # its outputs'
+        if unit.index == 0:  # forward is over, and so are the units after the last one run here
+            self._forward_until(len(self.units))
+            # the root's inputs are token ids, with no gradient to hook: hook its outputs'
+            outputs = output if isinstance(output, (tuple, list)) else [output]
             outputs = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs:
                 torch.autograd.graph.register_multi_grad_hook(
@@ -236,20 +262,43 @@ class ZeRO3(nn.Module):
     def _pre_backward(self, unit, module, grad_output):
         if unit.index == 0:  # backward starts at the root: clean up once it is over
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward_final)
+            self.next_unit = len(self.units) - 1
+        else:
+            self._backward_until(unit.index)
         self._unshard(unit)  # 4) all-gather again: backward needs the weights forward used
         self._prefetch(len(self.units) - 1 if unit.index == 0 else unit.index - 1)
 
     def _post_backward(self, unit, module, grad_input, grad_output):
-        # Gradients w.r.t. the unit's inputs exist: its backward is over, free it. (If no input
-        # needs a gradient, torch calls this *before* the unit's backward: leave it to the end.)
+        # Gradients w.r.t. the unit's inputs exist: its backward is over (autograd runs the
+        # parameters' gradient hooks first), 5) now. (If no input needs a gradient, torch calls
+        # this *before* the unit's backward: then 5) waits until backward moves on.)
         if any(g is not None for g in grad_input):
+            self._finish_backward(unit)
+
+    def _backward_until(self, index):
+        """Backward reaches unit `index` (0: it is over). Autograd runs the units in reverse forward
+        order; each above `index` not yet reduced is finished here, in that order: gathered first
+        if this rank's backward never reached it (4), then 5), zeros where no gradient came."""
+        assert index <= self.next_unit, f"unit {index}'s backward ran twice or out of order"
+        for unit in self.units[:index:-1]:  # the units above `index`, top down
+            if unit.index <= self.next_unit:  # its backward did not start here: 4) all the same
+                self._unshard(unit)
+                self._prefetch(unit.index - 1)
+            self._finish_backward(unit)
+        self.next_unit = index - 1
+
+    def _finish_backward(self, unit):  # free its full parameters, then 5), once
+        if not unit.reduced:
             self._reshard(unit)
+            if unit.trainable:  # the same call on every rank, whatever reached the unit here
+                self._reduce_scatter(unit)
+            unit.reduced = True
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()
     def _grad_ready(self, unit, offset, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
-        assert not unit.reduced, "a parameter used by two units must belong to the root unit"
+        assert not unit.reduced, "a parameter used outside its unit's forward must belong to the root unit"
         if self.used:
             self.used.mark(p)
         if unit.flat_grad is None:  # zeros: padding, frozen parts and unused parameters add 0
@@ -257,9 +306,6 @@ class ZeRO3(nn.Module):
                                          device=p.grad.device)
         unit.flat_grad[offset:offset + p.numel()].view_as(p.grad).copy_(p.grad)  # (in reduce_dtype)
         p.grad = None  # the full gradient is not kept
-        unit.pending -= 1
-        if unit.pending == 0:
-            self._reduce_scatter(unit)  # 5) as soon as the unit's gradients are complete
 
     def _reduce_scatter(self, unit):
         self._wait_reduce_scatters()  # the previous unit's: at most two full gradients alive
@@ -288,20 +334,18 @@ class ZeRO3(nn.Module):
     @torch.no_grad()
     def _post_backward_final(self):
         """Queued with the autograd engine: runs once backward is over, inside loss.backward()."""
-        for unit in self.units:  # a unit some gradient never reached (an unused parameter) ...
-            if unit.trainable and not unit.reduced:
-                self._reduce_scatter(unit)  # ... is reduced now, in the same order on every rank
+        self._backward_until(0)  # units below the last one backward reached here
+        self._finish_backward(self.units[0])  # and the root: its embedding's gradient comes last
         self._wait_reduce_scatters()
         unused = self.used.unused() if self.used else ()
         for unit in self.units:
-            self._reshard(unit)  # the root, and any unit whose post-backward hook did not fire
             if unit.grad_shard is not None:  # into my shards' .grad, in their dtype (fp32):
                 grad = unit.grad_shard.to(unit.shard.dtype)  # micro-steps add up there, not in bf16
                 for p, shard, (lo, hi) in zip(unit.params, unit.sharded, unit.ranges):
                     if p.requires_grad and hi > lo and p not in unused:  # (nothing to step: no grad)
                         shard.grad = grad[lo:hi] if shard.grad is None else shard.grad.add_(grad[lo:hi])
                 unit.grad_shard = None
-            unit.pending, unit.reduced = len(unit.trainable), False
+            unit.reduced = False
 
     # ------------------------------------------------------------------ around the optimizer
     def clip_grad_norm_(self, max_norm):

@@ -12,6 +12,8 @@ from graded import load_lesson
 from harness import all_close, gpt_train, held, launches, reference, run_lesson, sent_bytes, theory_bytes
 from lessons import build, zero3_full_parameters
 from model import GPT
+from routing import EXPERTS, block_slots, routed_reference, routed_train, used_by_rank
+from stream_semantics import StreamSemantics
 from toy import toy_reference, toy_sgd_reference, toy_train
 from tolerances import TOL
 from zero_parity import SGD, held_pieces
@@ -219,3 +221,103 @@ def test_two_all_gathers_one_reduce_scatter_per_unit_ring_bytes_3psi(world, key)
     assert sent_bytes(report) == pytest.approx(ring, rel=1e-12)
     psi = report["n_params"]
     assert theory_bytes(report) == 3 * (world - 1) / world * psi * b
+
+
+# ----------------------------------------------------------------------------- routing
+# RoutedNet (tests/routing.py): each step, each block (a unit) and each expert (inside a unit,
+# or in the root) is used on all, some or none of the ranks, so one rank may skip a unit's
+# forward, or run it and reduce a gradient of zeros, while another computes with it. ZeRO-3
+# must still issue the same collectives in the same order on every rank, and give the averaged
+# gradient (find_unused_parameters: none, where no rank used it). FSDP2 (torch 2.13) runs only
+# the cases where every rank runs every unit (RoutedNet(route_blocks=False)), and only with
+# set_reduce_scatter_unused_params (lessons: find_unused), which gives zeros, not None, where no
+# rank used a parameter: 06 without find_unused_parameters. A unit some ranks skip mismatches
+# its collectives (gloo aborts), as do experts skipped inside a unit without that setting.
+ROUTED = {
+    "routed": dict(find_unused=True),
+    "routed_no_prefetch": dict(find_unused=True, prefetch=False),
+    "routed_accum": dict(find_unused=True, grad_accum=2),
+    "routed_accum_no_prefetch": dict(find_unused=True, grad_accum=2, prefetch=False),
+    # the skipped modules run, their output dropped: forward gathered, backward never reached
+    "routed_run_unused": dict(find_unused=True, model_kw=dict(run_unused=True)),
+    # no find_unused_parameters: a parameter no rank used gets a zero gradient (AdamW moves it)
+    "routed_zero_grads": dict(find_unused=False, grad_accum=2, prefetch=False),
+}
+
+
+def record_collectives():
+    """From here on, the list of (collective, elements, dtype) this rank issues, in order."""
+    log = []
+
+    def recording(name, collective):
+        def call(tensor, *args, **kwargs):
+            log.append((name, tensor.numel(), str(tensor.dtype)))
+            return collective(tensor, *args, **kwargs)
+        return call
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast"):
+        setattr(dist, name, recording(name, getattr(dist, name)))
+    return log
+
+
+EVERY_UNIT_RUNS = dict(grad_accum=2, model_kw=dict(route_blocks=False))  # as FSDP2 can run
+
+
+def routed_suite(world):
+    out = {"fsdp2": routed_train(build, "fsdp2", find_unused=True, **EVERY_UNIT_RUNS),
+           "06_as_fsdp2": routed_train(build, "06", find_unused=False, **EVERY_UNIT_RUNS)}
+    with StreamSemantics():  # NCCL's rules: an output is NaN until wait(), inputs untouched until then
+        log = record_collectives()
+        out.update({name: routed_train(build, "06", **kw) for name, kw in ROUTED.items()})
+    return {**out, "collectives": log}
+
+
+routed_results = launches(routed_suite)
+
+
+def kinds_of_use(world, grad_accum):
+    """Which cases the routing of routed_train reaches over its 4 steps: (a block or not, used
+    on "all", "some" or "none" of the ranks), and "a unit that runs with no gradient" (block 1,
+    which has no dense layer, run on a rank where none of its experts is)."""
+    blocks, kinds = block_slots(), set()
+    assert EXPERTS[1] == 2, "block 1: two experts and no dense layer"
+    for step in range(4):
+        use = used_by_rank(step, world, grad_accum)  # (world, slots)
+        ranks = use.sum(0)
+        for slot in range(use.shape[1]):
+            share = "all" if ranks[slot] == world else "none" if ranks[slot] == 0 else "some"
+            kinds.add((slot in blocks, share))
+        at = blocks[1]
+        if (use[:, at] & ~use[:, at + 1] & ~use[:, at + 2]).any():
+            kinds.add("unit without gradient")
+    return kinds
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_routed_units_and_experts_match_single_process(world):
+    for name, kw in ROUTED.items():
+        accum = kw.get("grad_accum", 1)
+        assert kinds_of_use(world, accum) == {(block, share) for block in (True, False)
+                                               for share in ("all", "some", "none")} | {"unit without gradient"}
+        want = routed_reference(world, accum, model_kw=kw.get("model_kw"), find_unused=kw["find_unused"])
+        all_close(want, routed_results(world), (name,), TOL)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_routed_experts_inside_units_match_fsdp2(world):
+    want = routed_reference(world, 2, model_kw=EVERY_UNIT_RUNS["model_kw"], find_unused=False)
+    all_close(want, routed_results(world), ("fsdp2", "06_as_fsdp2"), TOL)
+    for rank_out in routed_results(world):
+        harness.close(rank_out["06_as_fsdp2"], rank_out["fsdp2"], TOL)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_routed_every_rank_issues_the_same_collectives_in_the_same_order(world):
+    logs = [rank_out["collectives"] for rank_out in routed_results(world)]
+    assert all(log == logs[0] for log in logs)
+    # and all of them: each unit (the root and 3 blocks) gathered twice and reduce-scattered
+    # once per backward (4 steps of each run, times its micro-steps), whatever this rank skipped
+    # (and gathered once more after each run, to compare its weights)
+    backwards = sum(4 * kw.get("grad_accum", 1) for kw in ROUTED.values())
+    ops = [op for op, *_ in logs[0]]
+    assert ops.count("all_gather_into_tensor") == 2 * 4 * backwards + 4 * len(ROUTED)
+    assert ops.count("reduce_scatter_tensor") == 4 * backwards

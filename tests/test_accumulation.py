@@ -213,7 +213,7 @@ def test_the_fp32_sums_are_held_and_in_theory(results, lesson):
         assert m["grads"] == m["peak_grads"] == bf16_grads + 4 * PSI
 
 
-@pytest.mark.parametrize("lesson", ["01", "02", "03", "04", "05"])
+@pytest.mark.parametrize("lesson", ["01", "02", "03", "04", "05", "06"])
 def test_every_lesson_states_the_convention(lesson):
     with open(f"{ROOT}/{FILES[lesson]}.py", encoding="utf-8") as f:
         text = re.sub(r"\s+", " ", f.read())
