@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toy import train_my_rows
+
 VOCAB, SEQ, WIDTH, BATCH = 11, 5, 6, 72  # 72 rows: 1-4 ranks x 1-3 micro-steps divide it
 EXPERTS = (2, 2, 1)  # per block; block 1 has no dense layer: skip its experts and it gets no gradient
 
@@ -101,20 +103,11 @@ def routed_batch(step, chunks, slots):
 
 def routed_train(build, lesson, steps=4, grad_accum=1, model_kw=None, **kw):
     """In a spawned rank: train RoutedNet with `lesson`'s strategy (lessons.build(..., **kw))."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     model = make_routed(**(model_kw or {}))
     trainer = build(lesson, model, **kw)
-    losses = []
-    for step in range(steps):
-        x, y = routed_batch(step, world * grad_accum, model.slots())
-        rows = BATCH // world
-        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-        micro = rows // grad_accum
-        batches = [(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]) for i in range(grad_accum)]
-        loss = torch.tensor(trainer.train_step(batches))
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-    return {"losses": losses, "params": trainer.full_parameters()}
+    return train_my_rows(trainer, lambda step: routed_batch(step, world * grad_accum, model.slots()),
+                         steps, grad_accum)
 
 
 def routed_reference(world, grad_accum=1, steps=4, lr=1e-2, model_kw=None, find_unused=True):

@@ -40,12 +40,18 @@ def make_toy(seed=0):
 
 def toy_train(build, lesson, steps=4, grad_accum=1, different_init=False, **kw):
     """In a spawned rank: train ToyNet with `lesson`'s strategy; ranks may start different."""
+    trainer = build(lesson, make_toy(seed=dist.get_rank() if different_init else 0), **kw)
+    return train_my_rows(trainer, toy_batch, steps, grad_accum)
+
+
+def train_my_rows(trainer, batch, steps, grad_accum):
+    """The loop every toy trains in, in a spawned rank: each step's whole batch from batch(step),
+    this rank's rows of it in grad_accum micro-batches; the global mean loss of each step."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = build(lesson, make_toy(seed=rank if different_init else 0), **kw)
     losses = []
     for step in range(steps):
-        x, y = toy_batch(step)
-        rows = BATCH // world
+        x, y = batch(step)
+        rows = x.shape[0] // world
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
         micro = rows // grad_accum
         batches = [(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]) for i in range(grad_accum)]
