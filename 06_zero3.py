@@ -157,9 +157,12 @@ class ZeRO3(nn.Module):
                 if p is not None:  # (Linear(bias=False) registers its bias as None)
                     slots.setdefault(p, []).append((m, attr))
         prefix = {m: name for name, m in module.named_modules()}
-        groups = [(m, list(m.parameters())) for m in units]
+        # a unit without parameters has nothing to gather or reduce: it stays a plain module
+        groups = [(m, list(m.parameters())) for m in units if next(m.parameters(), None) is not None]
         taken = {p for _, params in groups for p in params}
         groups.insert(0, (module, [p for p in module.parameters() if p not in taken]))  # the root
+        if not groups[0][1]:  # the root's hooks drive the schedule, so it needs a parameter
+            raise ValueError("ZeRO3: every parameter is in a unit, so the root has none: leave one module out of units")
         self.units = []  # the root is unit 0, then the units in forward order
         for index, (m, params) in enumerate(groups):
             unit = Unit(index, m, params, slots, device, self.rank, self.world_size)

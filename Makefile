@@ -51,3 +51,8 @@ grade-class: setup ## grade a folder of submissions (directories, .zip, .tar.gz)
 
 gpu-check: setup ## on a machine with GPUs: every lesson on CUDA/nccl (00 at 2+ GPUs), fp32 and bf16, one table (runs/gpu_check/); exits 1 on a NaN, a short run or a loss off; no GPU: says so
 	$(PY) -m scripts.perf.gpu_check
+
+.PHONY: fuzz
+fuzz: setup      ## the differential fuzzer: FUZZ_EXAMPLES cases (default 300) vs DDP/ZeRO/FSDP2 and one process; FUZZ_SEED=, FUZZ_SHRINK=1, FUZZ_LESSONS=04,05
+	$(PY) -m tests.fuzz $(if $(FUZZ_EXAMPLES),--examples $(FUZZ_EXAMPLES)) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED)) \
+		$(if $(FUZZ_LESSONS),--lessons $(FUZZ_LESSONS)) $(if $(filter 1 yes true,$(FUZZ_SHRINK)),--shrink)

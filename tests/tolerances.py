@@ -44,3 +44,42 @@ BF16_PARAM_TOL = dict(rtol=2 ** -7, atol=ADAM_REACH)
 # - 06 (test_06_zero3.ZERO3_BF16_LOSS_ATOL = 5e-4, ZERO3_BF16_PARAM_RTOL = 6e-3): the distance
 #   over the weights' own norm, no bound per element. The bug, no fp32 master weights, measures
 #   only 1.6x (losses) and 1.4x (weights) above these bounds, so the loss bound is 10x tighter.
+
+# ----------------------------------------------------------------------------- FUZZ (tests/fuzz.py)
+# The differential fuzzer compares each lesson with its PyTorch counterpart and with single-process
+# training, on drawn models (widths 1-13, 1-3 steps, 1-4 ranks, AdamW at lr 1e-2, SGD with or
+# without momentum at lr 0.5), loss by loss and parameter by parameter. Measured on 144 fp32 and
+# 144 bf16 cases (about 25,000 parameter tensors compared each; PyTorch's runs against one
+# process included, so the bounds hold for PyTorch's own round-off first):
+# - fp32: TOL, element by element, for the reason TOL gives. The worst element measured was at
+#   3% of it (Adam included: every drawn gradient stands well above fp32 round-off). A wrong
+#   result is ~1e-2 or more, as TOL says, and losses off by a micro-step or a factor N show at once.
+FUZZ_TOL = TOL
+# - bf16 AdamW runs with eps = 1e-3 (fp32: 1e-8, as every lesson's default). Adam's early steps
+#   move an element by about lr whatever its gradient (ADAM_REACH's argument): an element whose
+#   gradient is within bf16 rounding of 0 moves by +lr in one run and -lr in another, and in a
+#   drawn bias of 1-7 elements that is most of the update (measured: 75% with eps 1e-8). With
+#   eps above that rounding, such an element moves in proportion to its gradient (as SGD), so two
+#   correct runs differ in proportion to the rounding (measured: <= 10% with eps 1e-3); any
+#   gradient well above 1e-3 still gets Adam's full, normalised step.
+FUZZ_BF16_ADAM_EPS = 1e-3
+# - bf16 parameters, per tensor: |got - want| <= FUZZ_BF16_UPDATE_RTOL x |want - initial| (2-norms),
+#   the distance over how far the reference moved them (as zero_parity's bf16 bound), each
+#   element's difference first less one bf16 ulp of it (fuzz.ulp, at most 2^-7 of the element).
+#   Compared as fp32 master weights where both runs hold them (the reference, 01-03 and DDP
+#   through their MixedPrecisionAdamW; 06 and FSDP2, whose shards are fp32), else as bf16 working
+#   copies (04, 05; frozen parameters). The ulp: a working copy's rounding can flip to the next
+#   bf16 value on any difference in the masters below it, and a difference in the masters below
+#   it is one the bf16 weights cannot show (it matters where an update is tiny: a (1,)-bias that
+#   moved 5e-5 with 1e-4 of round-off between DDP and one process). What is left is the
+#   gradients' bf16 rounding (2^-9 per rounding) carried through 1-3 steps; measured <= 22% (one
+#   tensor of 25,000: a (1, 7) weight whose update is 1/300 of it, where DDP and FSDP2 are as far
+#   from one process), under 10% elsewhere. The bugs it is there for move a tensor by a whole
+#   update or more: an update lost (no fp32 master weights: a step below one bf16 ulp is rounded
+#   away), the sum of N ranks' gradients with SGD (N - 1 updates), a stale shard.
+FUZZ_BF16_UPDATE_RTOL = 0.5
+# - bf16 losses (fp32 cross-entropy of bf16 logits, averaged over ranks): measured <= 0.016
+#   apart (0.007 for all but one case); 0.05 leaves 3x margin. A micro-step's gradient lost or a
+#   factor N in SGD's step moves the next loss by 0.05 to 0.5 on these models (seen on lessons
+#   broken on purpose); the parameters' bound catches the rest.
+FUZZ_BF16_LOSS_ATOL = 0.05

@@ -1,0 +1,620 @@
+"""The differential fuzzer: Hypothesis draws cases (a model, its routing, a world size and the
+training settings); each lesson 01-06 trains the case beside its PyTorch counterpart and
+single-process training on the whole batch, all driven by the same loop; every replica must be
+identical and every lesson must match both within tolerances.FUZZ_*.
+
+    make fuzz                                   # FUZZ_EXAMPLES cases (default 300), every failure listed
+    FUZZ_SEED=7 FUZZ_EXAMPLES=40 make fuzz      # another (reproducible) draw
+    FUZZ_SHRINK=1 make fuzz                     # stop at the first failure, Hypothesis shrinks it
+    python -m tests.fuzz --case '<json>'        # one case, as a failure prints it
+    python -m tests.fuzz --lessons 04,05        # only these lessons (their counterparts still run)
+
+Counterparts: DDP(find_unused_parameters=True) for 01-03, DDP + ZeroRedundancyOptimizer for 04
+(in bf16 FSDP2 without resharding instead: ZeroRedundancyOptimizer keeps no fp32 master weights),
+FSDP2 fully_shard without resharding (the whole model one group) for 05 and with resharding
+(each block a unit) for 06, where FSDP2 can run the case (fsdp2_can_run). Every run uses
+find_unused; FSDP2 reduce-scatters zeros for a parameter its rank did not reach, and the loop
+drops the gradient of one no rank reached (the reference knows which), as DDP's None: so every
+run has one semantics, the design's.
+
+Cost: starting ranks is most of it, so one launch of `world` ranks runs several cases
+(FUZZ_BATCH, default 4), each case's reference and runs inside it. Each run gets a process
+group of its own with a short timeout (FUZZ_COLLECTIVE_TIMEOUT, 20 s), so a lesson that raises
+or mismatches its collectives fails that run only; one that gloo aborts ends the launch, and a
+new one goes on without that run.
+"""
+import contextlib
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+for _path in (ROOT, TESTS):  # as conftest.py: python -m tests.fuzz runs outside pytest
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
+import hypothesis  # noqa: E402
+
+import optimizers  # noqa: E402
+from fuzz_models import global_batch, make_model, micro_batches, routing_slots  # noqa: E402
+import harness  # noqa: E402
+from lessons import adamw, build, replicated_optimizer  # noqa: E402
+from tolerances import FUZZ_BF16_ADAM_EPS, FUZZ_BF16_LOSS_ATOL, FUZZ_BF16_UPDATE_RTOL, FUZZ_TOL  # noqa: E402
+
+LESSONS = ("01", "02", "03", "04", "05", "06")
+FSDP2 = ("fsdp2", "fsdp2_noreshard")
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, adamw(1e-2)),
+              "sgd": (torch.optim.SGD, dict(lr=0.5)),
+              "momentum": (torch.optim.SGD, dict(lr=0.5, momentum=0.9))}
+
+
+def optimizer(case):
+    """(optimizer_class, optimizer_kwargs) of a case; in bf16 AdamW's eps is FUZZ_BF16_ADAM_EPS
+    (tolerances.py says why)."""
+    opt_class, kwargs = OPTIMIZERS[case["optimizer"]]
+    if case["precision"] == "bf16" and opt_class is torch.optim.AdamW:
+        kwargs = {**kwargs, "eps": FUZZ_BF16_ADAM_EPS}
+    return opt_class, kwargs
+
+
+def counterpart(lesson, case):
+    if lesson in ("01", "02", "03"):
+        return "ddp"
+    if lesson == "04":  # ZeroRedundancyOptimizer steps bf16 parameters in bf16 (no master weights)
+        return "zero_redundancy" if case["precision"] == "fp32" else "fsdp2_noreshard"
+    return "fsdp2_noreshard" if lesson == "05" else "fsdp2"
+
+
+# ----------------------------------------------------------------------------- what Hypothesis draws
+# Small odd and prime sizes: no world size divides Ψ or a parameter, and one element or row can
+# be a whole shard or bucket. The first of each list is where Hypothesis shrinks to.
+VOCABS, WIDTHS, HIDDEN, EXPERT = (5, 7, 11, 13), (3, 1, 2, 5, 7), (3, 0, 1, 5, 7, 11), (3, 1, 2, 5)
+# bucket caps (MB) from one element per bucket to one bucket for the whole model (~1-20 KB)
+BUCKET_MB = (25.0, 1e-6, 4e-5, 4e-4, 4e-3)
+
+
+def block_spec(hidden, frozen, routed, experts):
+    # A block may hold no parameter at all (hidden 0, no expert): a unit with nothing to shard,
+    # which FSDP2 and 06 leave as a plain module. frozen "first": the dense layer's first
+    # Linear, so there must be one.
+    frozen = "none" if frozen == "first" and not hidden else frozen
+    return {"hidden": hidden, "frozen": frozen, "routed": routed, "experts": experts}
+
+
+blocks = st.builds(block_spec, st.sampled_from(HIDDEN), st.sampled_from(("none", "first", "all")), st.booleans(),
+                   st.lists(st.sampled_from(EXPERT), max_size=2))
+
+
+@st.composite
+def specs(draw):
+    tied = draw(st.booleans())
+    return {"vocab": draw(st.sampled_from(VOCABS)), "d": draw(st.sampled_from(WIDTHS)), "tied": tied,
+            "frozen_emb": not tied and draw(st.booleans()),  # a tied embedding is the head: it trains
+            "root_expert": draw(st.sampled_from((0, 3, 2))), "blocks": draw(st.lists(blocks, min_size=1, max_size=3)),
+            "unused": draw(st.sampled_from((0, 3))), "run_unused": draw(st.booleans())}
+
+
+def route_bits(chunks):
+    """One routed module in one step: a bitmask over the step's chunks (rank r's micro-step m is
+    chunk r * accum + m): used by all of them, by none, or by some."""
+    full = (1 << chunks) - 1
+    kinds = [st.just(full), st.just(0)] + ([st.integers(1, full - 1)] if chunks > 1 else [])
+    return st.one_of(kinds)
+
+
+@st.composite
+def cases(draw, world=None):
+    world = world or draw(st.integers(1, 4))
+    spec, accum, steps = draw(specs()), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    slots = len(routing_slots(spec))
+    routes = [[draw(route_bits(world * accum)) for _ in range(slots)] for _ in range(steps)]
+    return {"seed": draw(st.integers(0, 2 ** 16)), "world": world, "accum": accum, "steps": steps,
+            "rows": draw(st.integers(1, 3)), "seq": draw(st.integers(1, 4)),
+            "precision": draw(st.sampled_from(("fp32", "bf16"))), "optimizer": draw(st.sampled_from(tuple(OPTIMIZERS))),
+            "clip": draw(st.sampled_from((0.0, 0.05, 1.0))),  # 0.05 acts at every step, 1.0 at some
+            "weight_decay": draw(st.sampled_from((0.0, 0.1))), "bucket_mb": draw(st.sampled_from(BUCKET_MB)),
+            "model": spec, "routes": routes}
+# Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2
+# shards each rank's own weights; tests/toy.py covers the lessons), fp16 (no lesson's adapter),
+# a MixedPrecisionPolicy's output_dtype (06 refuses it).
+
+
+def unit_passes(case, step, chunk):
+    """Per block (an FSDP2/06 unit), in one chunk of a step: (its forward runs, its input carries
+    a gradient, its output does). A routed block no row of the chunk uses does not run (with
+    run_unused: runs, and backward never reaches its dropped output). The input carries a
+    gradient after a trainable embedding, or a routed module or block that trained; the output
+    also when the block uses a trainable parameter itself."""
+    spec, bits = case["model"], case["routes"][step]
+
+    def used(slot):
+        return (bits[slot] >> chunk) & 1 == 1
+    grad, slot = spec["tied"] or not spec["frozen_emb"], 0
+    if spec["root_expert"]:
+        grad, slot = grad or used(0), 1
+    out = []
+    for b in spec["blocks"]:
+        runs = True
+        if b["routed"]:
+            runs, slot = used(slot), slot + 1
+        experts, slot = [used(slot + e) for e in range(len(b["experts"]))], slot + len(b["experts"])
+        if not runs:
+            out.append((spec["run_unused"], False, False))
+            continue
+        trains = b["frozen"] != "all" and (b["hidden"] > 0 or any(experts))  # (a dense's second Linear trains)
+        grad_out = grad or trains
+        out.append((True, grad, grad_out))
+        grad = grad_out
+    return out
+
+
+def fsdp2_can_run(case):
+    """Whether FSDP2 (with units) can train the case. It gathers a unit in the unit's forward and
+    again when backward reaches its output; it reduce-scatters the unit's gradient when backward
+    reaches its input, or, if the input carries no gradient, in a callback at the end of
+    backward, in another order. A unit for which any of these differs between ranks in a
+    micro-step (unit_passes) leaves the ranks' collectives mismatched, and gloo aborts: PyTorch
+    cannot run the case with units. (06 then answers to one process only.)"""
+    world, accum = case["world"], case["accum"]
+    return all(len({tuple(unit_passes(case, step, r * accum + m)) for r in range(world)}) == 1
+               for step in range(case["steps"]) for m in range(accum))
+
+
+def partly_used(case):
+    """Whether some routed module is used on some ranks and not others in some step."""
+    world, accum = case["world"], case["accum"]
+    rank_bits = [((1 << accum) - 1) << (r * accum) for r in range(world)]
+    return any(len({bool(bits & rb) for rb in rank_bits}) > 1 for step in case["routes"] for bits in step)
+
+
+def runs_of(case, lessons=LESSONS):
+    """The runs a case needs: the lessons and their counterparts (FSDP2 where it can run; 06
+    claims more: a unit some ranks skip is gathered and reduce-scattered there all the same)."""
+    names = [counterpart(x, case) for x in lessons] + list(lessons)
+    return [x for x in dict.fromkeys(names) if x != "fsdp2" or fsdp2_can_run(case)]
+
+
+# ----------------------------------------------------------------------------- in a spawned rank
+def reference(case):
+    """Single process, the whole batch each step, the same model, optimizer and clipping: the
+    answer every lesson must give. Also which trainable parameters no row reached, per step."""
+    bf16 = case["precision"] == "bf16"
+    model = make_model(case["model"], case["seed"], bf16_params=bf16)  # bf16: fp32 masters, as 01-05
+    opt_class, opt_kwargs = optimizer(case)
+    groups = optimizers.decay_groups(model, case["weight_decay"])
+    opt = replicated_optimizer(groups, case["clip"], opt_class, opt_kwargs)
+    losses, unused = [], []
+    for step in range(case["steps"]):
+        loss = model(*global_batch(case, step))
+        loss.backward()
+        unused.append({n for n, p in model.named_parameters() if p.requires_grad and p.grad is None})
+        opt.step()
+        for p in model.parameters():
+            p.grad = None  # a parameter no row reaches next step keeps None: skipped, as in DDP
+        losses.append(loss.item())
+    return {"losses": losses, **held_weights(model, opt, model.named_parameters()), "unused": unused}
+
+
+def train(case, name, unused):
+    """In a process group: train `case` with `name` (a lesson or a counterpart) through
+    tests/lessons.py; losses (the global mean per step) and the full parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    rank = dist.get_rank()
+    bf16 = case["precision"] == "bf16"
+    sharded_fp32 = name in FSDP2 or name == "06"  # fp32 shards, computing in bf16 by a policy
+    model = make_model(case["model"], case["seed"], bf16_params=bf16 and not sharded_fp32)
+    opt_class, opt_kwargs = optimizer(case)
+    kw = dict(grad_clip=case["clip"], weight_decay=case["weight_decay"], bucket_mb=case["bucket_mb"],
+              find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs)
+    if sharded_fp32 and bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # as 06's main()
+    trainer = build(name, model, **kw)
+    step_no = [0]
+    if name in FSDP2:  # a parameter no rank reached: FSDP2 gave it zeros, DDP leaves it None
+        step = trainer.opt.step
+
+        def drop_unreached_then_step(*a, **k):
+            for n, p in model.named_parameters():
+                if n in unused[step_no[0]]:
+                    p.grad = None
+            return step(*a, **k)
+        trainer.opt.step = drop_unreached_then_step
+    losses = []
+    for s in range(case["steps"]):
+        step_no[0] = s
+        loss = torch.tensor(trainer.train_step(micro_batches(case, s, rank)))
+        dist.all_reduce(loss)
+        losses.append(loss.item() / case["world"])
+    if name in LESSONS[:3] + ("ddp",):  # the optimizer's fp32 master weights, as the reference's
+        return {"losses": losses, **held_weights(model, trainer.opt, trainer.full_parameters().items())}
+    masters = set() if bf16 and not sharded_fp32 else None  # 04, 05: bf16 parameters only
+    return {"losses": losses, "params": trainer.full_parameters(), "masters": masters}
+
+
+def held_weights(model, opt, named):
+    """{"params": {name: fp32 tensor}, "masters": the names whose values are fp32 master weights,
+    None: all are}. A MixedPrecisionAdamW (the reference's, 01-03's, DDP's) holds bf16 parameters
+    and fp32 masters of the trainable ones: those are what it trains. 06 and FSDP2 hold fp32
+    shards (all masters); 04 and 05 show only their bf16 parameters (no masters)."""
+    params = {n: p.detach().float().clone() for n, p in named}
+    if not getattr(opt, "mixed", False):
+        return {"params": params, "masters": None}
+    name_of = {p: n for n, p in model.named_parameters()}
+    masters = {name_of[p]: m.detach().float().clone() for p, m in zip(opt.params, opt.master)}
+    return {"params": {**params, **masters}, "masters": set(masters)}
+
+
+@contextlib.contextmanager
+def process_group(store, tag, timeout_s):
+    """A default process group of its own for one run, over the launch's store: a run that fails
+    (or leaves a collective unmatched, which the timeout turns into an error) leaves nothing
+    behind for the next."""
+    dist.init_process_group("gloo", store=dist.PrefixStore(tag, store), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cases(rank, world, port, cases, lessons, timeout_s, out_dir, skip):
+    """In each launched rank: every case's reference and runs (but skip[c], which crashed a
+    launch before), each case's results saved as it ends (case{c}_rank{r}.pt: {run: {"losses",
+    "params"} or {"error"}, "reference", "seconds"}), and the run under way in rank{r}.at, so a
+    rank that dies names what killed it."""
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    for c, case in enumerate(cases):
+        start = time.monotonic()
+        ref = reference(case)
+        results = {"reference": ref}
+        for name in [x for x in runs_of(case, lessons) if x not in skip.get(c, ())]:
+            with open(os.path.join(out_dir, f"rank{rank}.at"), "w") as f:
+                f.write(f"{c} {name}")
+            try:
+                with process_group(store, f"{c}/{name}", timeout_s):
+                    results[name] = train(case, name, ref["unused"])
+            except Exception:
+                results[name] = {"error": traceback.format_exc(limit=-6)}
+        results["seconds"] = time.monotonic() - start
+        torch.save(results, os.path.join(out_dir, f"case{c}_rank{rank}.pt"))
+
+
+def _rank_main(rank, world, port, cases, lessons, timeout_s, out_dir, skip):
+    """A launched rank (as harness._worker, without its process group: each run makes its own).
+    Its stderr goes to rank{r}.log: gloo aborts the process on some mismatches, and the parent
+    quotes the log to say why the rank died."""
+    import random
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    torch.seed()
+    random.seed()
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w", buffering=1)
+    sys.stderr.flush()
+    os.dup2(log.fileno(), 2)
+    code = 0
+    try:
+        run_cases(rank, world, port, cases, lessons, timeout_s, out_dir, skip)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as harness._worker: avoids gloo's rare abort at interpreter exit
+
+
+def launch(cases, lessons, timeout_s, crashed=None):
+    """Run `cases` (one world size) on one launch of ranks, forked as harness.spawn's are. A rank
+    that dies (gloo aborts on some mismatched collectives) ends the launch: the run it was in is
+    marked crashed ({case index: {run: why}}) and a new launch goes on from that case without it.
+    Returns [(per-rank results or None, why not)] per case; a crashed run's results: {"crashed"}."""
+    crashed = crashed or {}
+    import multiprocessing as mp
+    import tempfile
+    world = cases[0]["world"]
+    assert all(c["world"] == world for c in cases)
+    elsewhere = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT) != ROOT
+    ctx = mp.get_context("spawn") if elsewhere else harness._FORKSERVER  # (harness.spawn says why)
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory() as out_dir:
+        skip = {c: set(runs) for c, runs in crashed.items()}
+        procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, cases, lessons, timeout_s, out_dir, skip))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 60 + timeout_s * (len(LESSONS) + 4) * len(cases)
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(1)  # the others are waiting on the dead one: nothing more will come
+                break
+            time.sleep(0.05)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        out = []
+        for c in range(len(cases)):
+            paths = [os.path.join(out_dir, f"case{c}_rank{r}.pt") for r in range(world)]
+            if all(os.path.exists(x) for x in paths):
+                ranks = [torch.load(x, weights_only=False) for x in paths]
+                for results in ranks:
+                    results.update({run: {"crashed": why} for run, why in crashed.get(c, {}).items()})
+                out.append((ranks, None))
+                continue
+            run, check, why = _why_dead(out_dir, procs, c, time.monotonic() >= deadline)
+            later = {i - c: runs for i, runs in crashed.items() if i >= c}
+            if run in runs_of(cases[c], lessons):  # again from this case, without that run
+                later[0] = {**later.get(0, {}), run: why}
+                return out + launch(cases[c:], lessons, timeout_s, later)
+            out.append((None, (run, check, why)))
+            return out + (launch(cases[c + 1:], lessons, timeout_s, {i - 1: r for i, r in later.items() if i})
+                          if c + 1 < len(cases) else [])
+        return out
+
+
+def _why_dead(out_dir, procs, c, timed_out):
+    """(run, check, detail) for case c, which did not finish on every rank."""
+    def read(name):
+        path = os.path.join(out_dir, name)
+        return open(path, errors="replace").read() if os.path.exists(path) else ""
+    dead = [r for r, p in enumerate(procs) if p.exitcode not in (0, -9)]  # -9: killed by launch
+    for r in dead or range(len(procs)):
+        at = read(f"rank{r}.at").split()
+        if len(at) == 2 and at[0] == str(c):
+            lines = [x.strip() for x in read(f"rank{r}.log").splitlines() if x.strip()]
+            said = [x for x in lines if "what()" in x or "Error" in x or "error" in x] or lines or ["(nothing)"]
+            what = "hung" if timed_out and not dead else f"rank {r} died (exit {procs[r].exitcode})"
+            return (at[1], "crashed", f"{what}: {said[-1][:300]}")
+    return ("launch", "crashed", "ranks died before the case started: " +
+            "; ".join(f"rank {r}: {read(f'rank{r}.log').strip()[-300:]}" for r in dead))
+
+
+# ----------------------------------------------------------------------------- checks, in the parent
+def mismatch(got, want, case, init):
+    """Why run `got` does not match `want` (tolerances.FUZZ_*), or None. In bf16 a parameter is
+    compared as fp32 master weights where both runs hold them, else as bf16 working copies (the
+    fp32 values rounded), each element less one bf16 ulp."""
+    g, w = got["params"], want["params"]
+    if g.keys() != w.keys():
+        return f"parameters {sorted(g.keys() ^ w.keys())} in one run only"
+    losses_g, losses_w = torch.tensor(got["losses"]), torch.tensor(want["losses"])
+    if case["precision"] == "fp32":
+        if not torch.allclose(losses_g, losses_w, **FUZZ_TOL):
+            return f"losses {got['losses']} vs {want['losses']}"
+        for n in w:
+            if not torch.allclose(g[n], w[n], **FUZZ_TOL):
+                return (f"{n}: max |diff| {(g[n] - w[n]).abs().max().item():.3g} "
+                        f"(|want| max {w[n].abs().max().item():.3g})")
+        return None
+    if (losses_g - losses_w).abs().max() > FUZZ_BF16_LOSS_ATOL:
+        return f"losses {got['losses']} vs {want['losses']} (bf16)"
+    for n in w:
+        both = all(r["masters"] is None or n in r["masters"] for r in (got, want))
+        gn, wn, i0 = (g[n], w[n], init[n]) if both else (bf16(g[n]), bf16(w[n]), bf16(init[n]))
+        # less one bf16 ulp per element: a rounding flip, or a difference the bf16 weight cannot show
+        diff = ((gn - wn).abs() - ulp(bf16(wn))).clamp(min=0)
+        update, error = (wn - i0).norm().item(), diff.norm().item()
+        if error > FUZZ_BF16_UPDATE_RTOL * update + FUZZ_TOL["atol"]:
+            return (f"{n}: |diff| {error:.3g}, the update {update:.3g} "
+                    f"(less one bf16 ulp each, {'fp32 masters' if both else 'bf16 working copies'})")
+    return None
+
+
+def bf16(t):
+    return t.to(torch.bfloat16).float()
+
+
+def ulp(t):
+    """The spacing of bf16 values at each element of t (bf16-valued): 2^(exponent - 7)."""
+    return torch.ldexp(torch.ones_like(t), torch.frexp(t).exponent - 8).where(t != 0, torch.zeros_like(t))
+
+
+def first_line(error):
+    lines = [x for x in error.strip().splitlines() if x.strip()]
+    return lines[-1].strip()[:300] if lines else error
+
+
+def findings(case, ranks, lessons=LESSONS):
+    """Everything wrong with one case's runs ({run: result} per rank): [(run, check, detail)]."""
+    ref = ranks[0]["reference"]
+    init = {n: p.detach() for n, p in make_model(case["model"], case["seed"]).named_parameters()}
+    out = []
+    ran = [x for x in runs_of(case, lessons)]
+    for name in ran:
+        if "crashed" in ranks[0][name]:
+            out.append((name, "crashed", ranks[0][name]["crashed"]))
+            continue
+        errors = [(r, rk[name]["error"]) for r, rk in enumerate(ranks) if "error" in rk[name]]
+        if errors:  # the first rank's own error, not the others' "connection closed" that follows it
+            r, e = min(errors, key=lambda re: ("Connection closed" in re[1] or "Timed out" in re[1], re[0]))
+            out.append((name, "raised", f"rank {r}: {first_line(e)}"))
+            continue
+        for r in range(1, len(ranks)):
+            for n, p in ranks[0][name]["params"].items():
+                if not torch.equal(p, ranks[r][name]["params"][n]):
+                    out.append((name, "replicas differ", f"rank {r} vs rank 0: {n}"))
+                    break
+        why = mismatch(ranks[0][name], ref, case, init)
+        if why:
+            out.append((name, "vs single process", why))
+        if name in LESSONS:
+            other = counterpart(name, case)
+            ran_well = other in ranks[0] and not {"error", "crashed"} & set(ranks[0][other])
+            if ran_well and not any(f[0] == other for f in out):
+                why = mismatch(ranks[0][name], ranks[0][other], case, init)
+                if why:
+                    out.append((name, f"vs {other}", why))
+    return out
+
+
+def run_batch(cases, lessons=LESSONS, timeout_s=None):
+    """Run the cases (one world size) in one launch: ([findings per case], [seconds per case])."""
+    timeout_s = timeout_s or int(os.environ.get("FUZZ_COLLECTIVE_TIMEOUT", 20))
+    found, seconds = [], []
+    for case, (ranks, why) in zip(cases, launch(cases, tuple(lessons), timeout_s)):
+        found.append([why] if why else findings(case, ranks, lessons))
+        seconds.append(ranks[0]["seconds"] if ranks else None)
+    return found, seconds
+
+
+# ----------------------------------------------------------------------------- reporting
+def reproducer(case, lessons=LESSONS):
+    only = "" if tuple(lessons) == LESSONS else f" --lessons {','.join(lessons)}"
+    python = os.path.relpath(sys.executable) if sys.executable.startswith(ROOT) else "python"
+    return f"{python} -m tests.fuzz{only} --case '{json.dumps(case, separators=(',', ':'))}'"
+
+
+def describe(case):
+    m = case["model"]
+    experts = sum(len(b["experts"]) for b in m["blocks"]) + bool(m["root_expert"])
+    return (f"world {case['world']} accum {case['accum']} {case['precision']} {case['optimizer']} clip {case['clip']} "
+            f"wd {case['weight_decay']} bucket {case['bucket_mb']} MB; {len(m['blocks'])} blocks, {experts} experts"
+            f"{', tied' if m['tied'] else ''}{', frozen emb' if m['frozen_emb'] else ''}"
+            f"{', a frozen unit' if any(b['frozen'] == 'all' for b in m['blocks']) else ''}")
+
+
+def report(case, found, lessons=LESSONS):
+    lines = [f"FAIL {describe(case)}"]
+    lines += [f"  {name}: {check}: {detail}" for name, check, detail in found]
+    lines.append(f"  reproduce: {reproducer(case, lessons)}")
+    return "\n".join(lines)
+
+
+def gist(detail):
+    """An error's message without the rank, gloo's source paths and the sizes: one line per kind."""
+    import re
+    detail = re.sub(r"^rank \d+( died \(exit -?\d+\))?: |\[[^\]]*\] ?|what\(\): *|\d+ vs \d+\. ", "", detail)
+    return detail.strip()[:90]
+
+
+def summary(failures):
+    """{(run, check, the error's gist): count}, the reader's table of kinds."""
+    kinds = {}
+    for _, found in failures:
+        for name, check, detail in found:
+            key = (name, check, gist(detail) if check in ("raised", "crashed") else "")
+            kinds[key] = kinds.get(key, 0) + 1
+    return "\n".join(f"  {n:4d} x {name} {check} {what}" for (name, check, what), n in sorted(kinds.items()))
+
+
+# ----------------------------------------------------------------------------- driving Hypothesis
+def fixed_draws():
+    """Hypothesis draws some integers from the constants in the project's imported modules; given
+    none, a seed draws the same cases whatever else is imported or edited."""
+    from unittest import mock
+    from hypothesis.internal.conjecture import providers
+    return mock.patch.object(providers, "_get_local_constants", lambda: type(providers._local_constants)())
+
+
+def drawn(strategy, n, seed):
+    """n values of `strategy`, drawn by Hypothesis from `seed`: the same list every time."""
+    out = []
+
+    @hypothesis.seed(seed)
+    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(value):
+        out.append(value)
+    with fixed_draws():
+        collect()
+    return out[:n]
+
+
+def fuzz(examples, seed, batch, lessons, shrink, log=print):
+    """Draw `examples` cases and run them, `batch` to a launch. Without shrink: every case runs
+    (once: Hypothesis may draw one twice), each failing case is printed with its reproducer;
+    returns the failures. With shrink: the first failure stops the search and Hypothesis shrinks
+    it (one case per launch), printing one line per attempt; it raises with the smallest."""
+    failures, seen, start = [], set(), time.monotonic()
+    per = 1 if shrink else batch
+
+    @hypothesis.seed(seed)
+    @settings(max_examples=math.ceil(examples / per) * (1 if shrink else 3),  # (room for repeats)
+              database=None, deadline=None, print_blob=False,
+              phases=[Phase.generate, Phase.shrink] if shrink else [Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(st.integers(1, 4).flatmap(lambda w: st.lists(cases(w), min_size=per, max_size=per, unique_by=json.dumps)))
+    def one_launch(batch_cases):
+        if not shrink:  # each case once, and no more than asked for
+            fresh = []
+            for case in batch_cases:
+                if json.dumps(case) not in seen and len(seen) < examples:
+                    seen.add(json.dumps(case))
+                    fresh.append(case)
+            if not fresh:
+                return
+            batch_cases = fresh
+        results, seconds = run_batch(batch_cases, lessons)
+        for case, found, secs in zip(batch_cases, results, seconds):
+            if found and shrink:
+                log(f"FAIL {describe(case)}: {found[0][0]} {found[0][1]}")
+            elif found:
+                failures.append((case, found))
+                log(report(case, found, lessons))
+            elif secs is not None:
+                log(f"ok   {describe(case)} ({secs:.1f} s)")
+        if shrink and any(results):
+            raise AssertionError("\n".join(report(c, f, lessons) for c, f in zip(batch_cases, results) if f))
+    try:
+        with fixed_draws():
+            one_launch()
+    finally:
+        ran = "" if shrink else f"{len(seen)} cases, {len(failures)} failing, "
+        log(f"{ran}{time.monotonic() - start:.0f} s (FUZZ_SEED={seed})")
+        if not shrink:
+            drawn_cases = [json.loads(c) for c in seen]
+            log(f"of them: {sum(map(partly_used, drawn_cases))} with a module used on some ranks and not others "
+                f"in a step, {sum(not fsdp2_can_run(c) for c in drawn_cases)} that FSDP2 cannot run "
+                "(06: one process only)")
+        if failures:
+            log("kinds of failure:\n" + summary(failures))
+    return failures
+
+
+def main(argv=None):
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=int(os.environ.get("FUZZ_EXAMPLES", 300)),
+                        help="cases to draw (FUZZ_EXAMPLES)")
+    parser.add_argument("--seed", type=int, default=None, help="Hypothesis' seed (FUZZ_SEED; default: a new one)")
+    parser.add_argument("--batch", type=int, default=int(os.environ.get("FUZZ_BATCH", 4)),
+                        help="cases per launch of ranks (FUZZ_BATCH)")
+    parser.add_argument("--lessons", default=os.environ.get("FUZZ_LESSONS") or ",".join(LESSONS),
+                        help="the lessons to check, e.g. 04,05 (FUZZ_LESSONS)")
+    parser.add_argument("--shrink", action="store_true", default=os.environ.get("FUZZ_SHRINK", "") not in ("", "0"),
+                        help="stop at the first failure and shrink it (FUZZ_SHRINK=1)")
+    parser.add_argument("--case", help="run this one case (JSON, as a failure prints it)")
+    args = parser.parse_args(argv)
+    lessons = tuple(x.strip() for x in args.lessons.split(",") if x.strip())
+    if not set(lessons) <= set(LESSONS):
+        parser.error(f"--lessons: from {','.join(LESSONS)}")
+    if args.case:
+        case = json.loads(args.case)
+        [found], [secs] = run_batch([case], lessons)
+        print(report(case, found, lessons) if found else f"ok   {describe(case)} ({secs:.1f} s)")
+        return 1 if found else 0
+    seed = args.seed if args.seed is not None else int(os.environ.get("FUZZ_SEED") or
+                                                        int.from_bytes(os.urandom(3), "big"))
+    print(f"fuzzing {args.examples} cases, lessons {','.join(lessons)}, FUZZ_SEED={seed}", flush=True)
+    try:
+        failures = fuzz(args.examples, seed, args.batch, lessons, args.shrink, log=lambda s: print(s, flush=True))
+    except AssertionError as e:  # --shrink: Hypothesis' smallest failing case
+        print(f"smallest failing case:\n{e}")
+        return 1
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    import fuzz as _fuzz  # this file under its own name, so spawned ranks find run_cases by it
+    sys.exit(_fuzz.main())

@@ -1,0 +1,130 @@
+"""The differential fuzzer's models and data (tests/fuzz.py draws the specs with Hypothesis).
+
+FuzzNet is built from a JSON-able spec: an embedding (tied to the output head, or not; frozen,
+when not tied), an optional routed "expert" in the root, then blocks (ZeRO-3/FSDP2 units:
+lessons.sharding_units takes `blocks`), each with an optional dense layer and routed experts,
+optionally routed whole, and frozen: not at all, its dense layer's first Linear, or all of it;
+and optionally a parameter no forward ever uses. Widths are small (1-13), mostly odd or prime,
+so no world size divides Ψ.
+
+Routing as in tests/routing.py (whose `routed` applies it): which rows use a routed module is a
+mask that travels with its rows, as extra columns of x, so every strategy's split of the batch
+hands each rank (and micro-step) its own routing, and single-process training on the whole
+batch applies each row's. A module no row of a chunk uses does not run there (its parameters
+get no gradient on that rank), or, with `run_unused`, runs and its output is dropped.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from routing import routed
+
+
+def mlp(d, hidden):
+    return nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, d))
+
+
+class Block(nn.Module):
+    """h + dense(h) (if hidden > 0), then each expert on the rows routed to it."""
+
+    def __init__(self, d, hidden, experts, frozen, run_unused):
+        super().__init__()
+        self.dense = mlp(d, hidden) if hidden else None
+        self.experts = nn.ModuleList(mlp(d, e) for e in experts)
+        if frozen == "first":
+            self.dense[0].requires_grad_(False)
+        elif frozen == "all":  # a unit with nothing to train
+            self.requires_grad_(False)
+        self.run_unused = run_unused
+
+    def forward(self, h, route):  # route: (rows, n_experts) bool
+        if self.dense is not None:
+            h = h + self.dense(h)
+        for expert, use in zip(self.experts, route.unbind(1)):
+            h = routed(lambda h: h + expert(h), h, use, self.run_unused)
+        return h
+
+
+class FuzzNet(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        d, vocab = spec["d"], spec["vocab"]
+        self.spec = spec
+        self.emb = nn.Embedding(vocab, d)
+        self.root_expert = mlp(d, spec["root_expert"]) if spec["root_expert"] else None
+        self.blocks = nn.ModuleList(Block(d, b["hidden"], b["experts"], b["frozen"], spec["run_unused"])
+                                    for b in spec["blocks"])
+        self.head = nn.Linear(d, vocab, bias=False)
+        if spec["tied"]:
+            self.head.weight = self.emb.weight  # as GPT-2
+        elif spec["frozen_emb"]:
+            self.emb.requires_grad_(False)
+        self.unused = nn.Parameter(torch.randn(spec["unused"])) if spec["unused"] else None  # never used
+
+    def forward(self, x, y):
+        seq = y.shape[1]
+        route = x[:, seq:].bool()  # (rows, slots), in routing_slots' order
+        h, at = self.emb(x[:, :seq]), 0
+        if self.root_expert is not None:
+            h = routed(lambda h: h + self.root_expert(h), h, route[:, 0], self.spec["run_unused"])
+            at = 1
+        for block, b in zip(self.blocks, self.spec["blocks"]):
+            n = len(b["experts"])
+            if b["routed"]:  # the whole block (a unit), then its experts, on the block's rows only:
+                # else one process would run an expert on rows the block then drops, and give it
+                # a zero gradient where no rank's backward reaches it (a gradient, not None)
+                use = route[:, at:at + 1]
+                h = routed(lambda h: block(h, route[:, at + 1:at + 1 + n] & use), h, use[:, 0], self.spec["run_unused"])
+                at += 1
+            else:
+                h = block(h, route[:, at:at + n])
+            at += n
+        return F.cross_entropy(self.head(h).float().flatten(0, 1), y.flatten())
+
+
+def routing_slots(spec):
+    """The routed modules, one mask column each: the root's expert, then per block the block
+    itself (if routed whole) and its experts. [(name, module path, whole unit?)]"""
+    slots = [("root_expert", "root_expert", False)] if spec["root_expert"] else []
+    for i, b in enumerate(spec["blocks"]):
+        if b["routed"]:
+            slots.append((f"block {i}", f"blocks.{i}", True))
+        slots += [(f"block {i} expert {e}", f"blocks.{i}.experts.{e}", False) for e in range(len(b["experts"]))]
+    return slots
+
+
+def n_slots(spec):
+    return len(routing_slots(spec))
+
+
+def make_model(spec, seed, bf16_params=False):
+    """FuzzNet with the weights `seed` gives it. bf16_params: as common.build_model's bf16, the
+    parameters in bf16 with their fp32 initial weights kept (`p.fp32_init`) for the optimizer's
+    master weights (01-05); 06 and FSDP2 instead take the fp32 model and a MixedPrecisionPolicy."""
+    torch.manual_seed(seed)
+    model = FuzzNet(spec)
+    if bf16_params:
+        for p in model.parameters():
+            p.fp32_init = p.detach().clone()
+        model.to(torch.bfloat16)
+    return model
+
+
+def global_batch(case, step):
+    """(x, y) of the whole step: world x accum chunks of `rows` rows, chunk c = rank c // accum's
+    micro-step c % accum; x = tokens | one 0/1 column per routing slot (case["routes"][step][slot]
+    is a bitmask over the chunks)."""
+    chunks, rows, seq = case["world"] * case["accum"], case["rows"], case["seq"]
+    g = torch.Generator().manual_seed(case["seed"] * 1000 + step)
+    tokens = torch.randint(case["model"]["vocab"], (chunks * rows, seq + 1), generator=g)
+    masks = [[(bits >> c) & 1 for bits in case["routes"][step]] for c in range(chunks)]  # (chunks, slots)
+    route = torch.tensor(masks, dtype=torch.long).reshape(chunks, -1).repeat_interleave(rows, dim=0)
+    return torch.cat([tokens[:, :-1], route], dim=1), tokens[:, 1:]
+
+
+def micro_batches(case, step, rank):
+    """This rank's micro-batches of global_batch(case, step)."""
+    x, y = global_batch(case, step)
+    rows, accum = case["rows"], case["accum"]
+    at = rank * accum * rows
+    return [(x[at + m * rows:at + (m + 1) * rows], y[at + m * rows:at + (m + 1) * rows]) for m in range(accum)]
