@@ -134,7 +134,7 @@ PSI = 29_733
 def suite(world):
     out = {lesson: accumulate(lesson) for lesson in FILES}
     if world == 2:
-        out["memory"] = {n: run_lesson(FILES[n], MEMORY_ARGV)["report"] for n in ("01", "02", "03", "04")}
+        out["memory"] = {n: run_lesson(FILES[n], MEMORY_ARGV)["report"] for n in ("01", "02", "03", "04", "05")}
     return out
 
 
@@ -211,6 +211,15 @@ def test_the_fp32_sums_are_held_and_in_theory(results, lesson):
     bf16_grads = 2 * (PSI + 1 if lesson == "04" else PSI)
     for m in held(report):
         assert m["grads"] == m["peak_grads"] == bf16_grads + 4 * PSI
+
+
+def test_zero2_holds_fp32_gradient_slices_between_micro_steps_and_theory_says_so(results):
+    # 05 keeps my slice of every bucket's gradient in fp32 from the second micro-step on: 4 Psi / N
+    # at rest, not the 2 Psi / N of bf16 (plus padding: under N elements per bucket, one bucket here)
+    report = results[2][0]["memory"]["05"]
+    assert memory_theory(report)["grads"] == 4 * PSI / 2
+    for m in held(report):
+        assert 0 <= m["grads"] - 4 * PSI / 2 <= 4
 
 
 @pytest.mark.parametrize("lesson", ["01", "02", "03", "04", "05", "06"])
