@@ -585,10 +585,10 @@ def fuzz(examples, seed, batch, lessons, shrink, log=print):
 def main(argv=None):
     import argparse
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=int, default=int(os.environ.get("FUZZ_EXAMPLES", 300)),
+    parser.add_argument("--examples", type=int, default=os.environ.get("FUZZ_EXAMPLES", "300"),
                         help="cases to draw (FUZZ_EXAMPLES)")
-    parser.add_argument("--seed", type=int, default=None, help="Hypothesis' seed (FUZZ_SEED; default: a new one)")
-    parser.add_argument("--batch", type=int, default=int(os.environ.get("FUZZ_BATCH", 4)),
+    parser.add_argument("--seed", type=int, default=os.environ.get("FUZZ_SEED") or None, help="Hypothesis' seed (FUZZ_SEED; default: a new one)")
+    parser.add_argument("--batch", type=int, default=os.environ.get("FUZZ_BATCH", "4"),
                         help="cases per launch of ranks (FUZZ_BATCH)")
     parser.add_argument("--lessons", default=os.environ.get("FUZZ_LESSONS") or ",".join(LESSONS),
                         help="the lessons to check, e.g. 04,05 (FUZZ_LESSONS)")
@@ -599,13 +599,17 @@ def main(argv=None):
     lessons = tuple(x.strip() for x in args.lessons.split(",") if x.strip())
     if not set(lessons) <= set(LESSONS):
         parser.error(f"--lessons: from {','.join(LESSONS)}")
+    if args.examples < 1 or args.batch < 1:
+        parser.error("--examples (FUZZ_EXAMPLES) and --batch (FUZZ_BATCH) must be at least 1")
     if args.case:
-        case = json.loads(args.case)
+        try:
+            case = json.loads(args.case)
+        except ValueError as e:
+            parser.error(f"--case: not JSON ({e})")
         [found], [secs] = run_batch([case], lessons)
         print(report(case, found, lessons) if found else f"ok   {describe(case)} ({secs:.1f} s)")
         return 1 if found else 0
-    seed = args.seed if args.seed is not None else int(os.environ.get("FUZZ_SEED") or
-                                                        int.from_bytes(os.urandom(3), "big"))
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "big")
     print(f"fuzzing {args.examples} cases, lessons {','.join(lessons)}, FUZZ_SEED={seed}", flush=True)
     try:
         failures = fuzz(args.examples, seed, args.batch, lessons, args.shrink, log=lambda s: print(s, flush=True))
