@@ -82,10 +82,7 @@ def at_end_of_backward(owner, fn):
     if getattr(owner, "_end_of_backward_queued", None) == backward:
         return
     owner._end_of_backward_queued = backward
-
-    def run():
-        fn()
-    torch.autograd.Variable._execution_engine.queue_callback(run)
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 class FP32Accumulation:

@@ -44,10 +44,10 @@ def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
     # units' gradients in flight), a measurement.
     out["peak_grads"] = None if "params" in SHARDED[strategy] else out["grads"] + in_flight + (
         4 * psi / world if grad_accum > 1 and "grads" in SHARDED[strategy] else 0)
-    # of the optimizer state, the fp32 master weights: 4 of the K = 12 bytes in bf16; in fp32 the
-    # optimizer updates the parameters themselves
     if precision == "bf16" and grad_accum > 1 and strategy == "zero2":  # at rest, between micro-steps:
         out["grads"] = 4 * psi / world  # my slices in fp32 (05's docstring), counted in peak_grads above
+    # of the optimizer state, the fp32 master weights: 4 of the K = 12 bytes in bf16; in fp32 the
+    # optimizer updates the parameters themselves
     master = 4 * psi if precision == "bf16" else 0
     out["master_weights"] = master / world if "optimizer" in SHARDED[strategy] else master
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
