@@ -30,6 +30,7 @@ an all-reduce underneath, which the wire bytes below show).
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,57 +43,83 @@ from model import GPT
 
 # ----------------------------------------------------------------------------- the collectives
 class Ring:
-    """Ring collectives over point-to-point sends. `sent` counts the bytes this rank sends."""
+    """Ring collectives over point-to-point sends. `sent` counts the bytes this rank sends.
 
-    def __init__(self):
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.right, self.left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+    The same ring carries 01-06's collectives under `--collectives ring` (collectives.py), so it
+    also takes a process group (its ranks, in their order, form the ring), any length of tensor
+    (the chunks then differ by at most one element: tensor_split), and a simulated link that
+    makes each send cost what it would on a real one (collectives.Link; None: as fast as it goes)."""
+
+    def __init__(self, group=None, link=None):
+        self.group, self.link = group, link
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        peer = lambda i: dist.get_global_rank(group, i) if group is not None else i
+        self.right, self.left = peer((self.rank + 1) % self.world_size), peer((self.rank - 1) % self.world_size)
         self.sent = 0
 
     def _exchange(self, send, recv):
         """Send `send` to the right neighbour while receiving `recv` from the left one."""
+        start = time.perf_counter()
         # Posted as one group, then both awaited. Not an isend and then a blocking recv: at
         # N = 2 right IS left, NCCL runs a rank's send and receive to one peer in order on one
         # stream, and a send larger than NCCL's buffers waits for the peer's receive, which
         # waits behind the peer's own send: a deadlock. NCCL needs a send and a receive that
-        # must progress together grouped; gloo runs the same code.
-        ops = [dist.P2POp(dist.isend, send, self.right), dist.P2POp(dist.irecv, recv, self.left)]
-        for request in dist.batch_isend_irecv(ops):
+        # must progress together grouped; gloo runs the same code. An empty chunk (a tensor
+        # with fewer elements than ranks) is not sent, and its receiver expects none.
+        ops = [dist.P2POp(op, t, peer, self.group)
+               for op, t, peer in ((dist.isend, send, self.right), (dist.irecv, recv, self.left)) if t.numel()]
+        for request in dist.batch_isend_irecv(ops) if ops else ():
             request.wait()
         self.sent += send.numel() * send.element_size()
+        if self.link is not None and send.numel():  # the simulated link: latency + bytes / bandwidth
+            self.link.hold(send.numel() * send.element_size(), since=start)
 
-    def reduce_scatter(self, full):
-        """full: (N * c,) on every rank -> (c,): chunk r of the sum over ranks."""
+    def _reduce_scatter(self, chunks):
+        """In place: afterwards chunks[r] holds chunk r summed over all ranks."""
         n, r = self.world_size, self.rank
-        chunks = list(full.clone().chunk(n))  # my working copy, cut in N chunks of c elements
-        incoming = torch.empty_like(chunks[0])
+        incoming = torch.empty_like(chunks[0])  # the largest chunk (tensor_split: the first)
         # ### BEGIN SOLUTION: ring reduce-scatter
         # GOAL: afterwards chunks[r] holds chunk r summed over all N ranks (other chunks may hold
         #       partial sums). Neighbour to neighbour only: N - 1 steps, every rank sending one chunk
         #       a step to its right, all at once: (N-1)/N of the tensor per rank in all.
         for s in range(n - 1):
-            self._exchange(chunks[(r - s - 1) % n], incoming)
-            chunks[(r - s - 2) % n] += incoming
+            arriving = incoming[:chunks[(r - s - 2) % n].numel()]
+            self._exchange(chunks[(r - s - 1) % n], arriving)
+            chunks[(r - s - 2) % n].add_(arriving)
         # ### END SOLUTION
-        return chunks[r]
 
-    def all_gather(self, mine):
-        """mine: (c,) chunk r -> (N * c,): every rank's chunk, in rank order."""
+    def _all_gather(self, chunks):
+        """In place: chunks[r] (mine) -> every chunks[i] holds rank i's."""
         n, r = self.world_size, self.rank
-        full = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)
-        chunks = full.chunk(n)
-        chunks[r].copy_(mine)
         # ### BEGIN SOLUTION: ring all-gather
         # GOAL: afterwards chunks[i] holds rank i's chunk, for every i, on every rank. Neighbour
         #       to neighbour only: N - 1 steps, every rank sending one chunk a step to its right.
         for s in range(n - 1):  # pass each chunk on, one hop a step
             self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
         # ### END SOLUTION
+
+    def reduce_scatter(self, full):
+        """full: (N * c,) on every rank -> (c,): chunk r of the sum over ranks."""
+        chunks = full.clone().chunk(self.world_size)  # my working copy, cut in N chunks of c elements
+        self._reduce_scatter(chunks)
+        return chunks[self.rank]
+
+    def all_gather(self, mine):
+        """mine: (c,) chunk r -> (N * c,): every rank's chunk, in rank order."""
+        full = torch.empty(self.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+        chunks = full.chunk(self.world_size)
+        chunks[self.rank].copy_(mine)
+        self._all_gather(chunks)
         return full
 
     def all_reduce(self, full):
-        """The sum over ranks, on every rank: reduce-scatter, then all-gather."""
-        return self.all_gather(self.reduce_scatter(full))
+        """The sum over ranks, on every rank: reduce-scatter, then all-gather, on one copy of
+        any length (N chunks that differ by at most one element)."""
+        out = full.clone()
+        chunks = out.view(-1).tensor_split(self.world_size)
+        self._reduce_scatter(chunks)
+        self._all_gather(chunks)
+        return out
 
 
 # ----------------------------------------------------------------------------- checked and counted
@@ -111,6 +138,8 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = common.parse_args(["--global-batch", str(world), *(sys.argv[1:] if argv is None else argv)],
                              description=__doc__)
+    if args.collectives != "torch":  # this lesson runs its ring beside torch's, to compare the two
+        lifecycle.fail("00 compares its own ring with torch's collectives: --collectives ring and --link are for 01-06")
     env = common.init_distributed(args)
     n, r = env.world_size, env.rank
     with torch.device("meta"):

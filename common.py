@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import collectives
+from collectives import Link
 from lifecycle import WATCHDOG_S, fail, say, start_heartbeat
 from model import GPT, GPTConfig
 
@@ -57,6 +59,12 @@ def build_parser(description=""):
     g.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (03, 05)")
     g.add_argument("--prefetch", type=int, choices=[0, 1], default=1,
                    help="06: all-gather the next unit while this one computes")
+    g.add_argument("--collectives", choices=["torch", "ring"], default=None,
+                   help="torch (default): the backend's own collectives; ring: lesson 00's ring of sends "
+                        "(collectives.py), whose bytes on the wire are the ZeRO paper's")
+    g.add_argument("--link", metavar="GBPS:LATENCY_US", default=None,
+                   help="a simulated link for the ring (implies --collectives ring): each send costs "
+                        "latency + bytes / bandwidth, e.g. 1:50 (1 Gb/s, 50 us)")
     g = p.add_argument_group("checkpoints (checkpoint.py)")
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                    help="DIR/step_NNNNNN/: each rank's shard, meta.json, COMPLETE")
@@ -99,6 +107,14 @@ def parse_args(argv=None, description=""):
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
+    if args.link is not None:
+        if args.collectives == "torch":
+            fail("--link simulates a link for the ring: use it with --collectives ring (or alone), not torch")
+        try:
+            Link.parse(args.link)
+        except ValueError as e:
+            fail(str(e))
+    args.collectives = args.collectives or ("ring" if args.link else "torch")
     return args
 
 
@@ -142,12 +158,15 @@ def init_distributed(args) -> Dist:
     the others instead of hanging them. Sets args.device to what it chose."""
     timeout = timedelta(seconds=args.timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    ring = args.collectives == "ring"
+    if ring and args.device == "cuda":
+        fail("--collectives ring sends over gloo on the CPU (--device cpu); on CUDA, NCCL's collectives are the wire")
     if dist.is_initialized():
         kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
     else:
         try:
             ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's; 1 for plain `python`
-            kind, why = choose_device(args.device, ranks_here, torch.cuda.device_count())
+            kind, why = choose_device("cpu" if ring else args.device, ranks_here, torch.cuda.device_count())
         except ValueError as e:
             fail(str(e))
         if why and int(os.environ.get("RANK", "0")) == 0:
@@ -163,6 +182,11 @@ def init_distributed(args) -> Dist:
     elif not dist.is_initialized():  # plain `python 0N_x.py`: the same code path with a world of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     args.device = kind
+    if ring and kind == "cuda":  # a group made elsewhere (a test, a sweep) on nccl
+        fail("--collectives ring sends over gloo on the CPU; this process group is nccl")
+    # the lesson's collectives: torch's, or the ring's (collectives.py); set for every run, so a
+    # process that runs several lessons in one group (scripts/perf/sweep.py) gets what each asks
+    collectives.use(args.collectives, Link.parse(args.link) if args.link else None, timeout)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if dist.get_world_size() > 1:
         start_heartbeat(dist.get_rank(), watch=backend == "nccl" or os.environ.get("DP_WATCHDOG") == "1",

@@ -12,6 +12,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
+import collectives
 import common
 from comm_meter import CommMeter
 from memory_ledger import MemoryLedger, Peaks, max_rss
@@ -69,9 +70,12 @@ class Run:
             self._log(step)
 
     def _sync(self):
-        """On CUDA, wait for the GPU: kernels and NCCL collectives only queue work on the CPU."""
+        """Wait for the step's communication: on CUDA the GPU's (kernels and NCCL collectives only
+        queue work on the CPU), under --collectives ring the ring's thread (collectives.drain).
+        Before and after the measured step: its window then holds all that step sent and no more."""
         if self.cuda:
             torch.cuda.synchronize()
+        collectives.drain()
 
     @contextmanager
     def _memory_probe(self):
@@ -148,7 +152,9 @@ class Run:
             "comm": {"measured_step": self.measure_step, "per_rank": [g["ops"] for g in gathered],
                      "ops": gathered[0]["ops"],
                      "calls": gathered[0]["calls"],  # rank 0's, in issue order: [kind, payload bytes]
-                     "ring_bytes_per_step": gathered[0]["ring_bytes"],
+                     # issued: the payloads the lesson asked for, times the ring factor (a count,
+                     # not a measurement); wire: what each rank's process wrote to its sockets
+                     "issued_ring_bytes_per_step": gathered[0]["ring_bytes"],
                      "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision,
                                                                        a.grad_accum),
                      # bytes each rank's process actually wrote (gloo on Linux; None elsewhere:
@@ -181,8 +187,12 @@ class Run:
               f"median step {r['median_step_time_s'] * 1e3:.1f} ms")
         ops = ", ".join(f"{k} x{v['calls']} ({v['bytes'] / mib:.2f} MiB)" for k, v in comm["ops"].items())
         print(f"  comm per rank per step (step {comm['measured_step']}): {ops or 'none'}")
-        print(f"  ring bytes sent per rank: measured {comm['ring_bytes_per_step'] / mib:.3f} MiB"
-              f" | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")
+        wire = comm["wire_bytes_per_rank"][0]
+        wire = "n/a" if wire is None else f"{wire / mib:.3f} MiB"
+        link = r["config"].get("link") and f" on a {collectives.Link.parse(r['config']['link'])} link"
+        print(f"  bytes sent per rank (rank 0), {r['config']['collectives']} collectives{link or ''}: "
+              f"issued {comm['issued_ring_bytes_per_step'] / mib:.3f} MiB (asked for x ring factor) | "
+              f"wire {wire} (written to the sockets) | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")
         ov = comm.get("overlap")
         if ov is not None and ov.get("source"):
             print(f"  overlap rank 0: NCCL kernels {ov['comm_ms']:.1f} ms | exposed {ov['exposed_ms']:.1f} ms "

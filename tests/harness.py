@@ -143,8 +143,8 @@ def comm_ops(report):
 
 
 def sent_bytes(report):
-    """Ring bytes one rank sends per step, measured."""
-    return report["comm"]["ring_bytes_per_step"]
+    """Ring bytes one rank sends per step, issued: the payloads it asked for times the ring factor."""
+    return report["comm"]["issued_ring_bytes_per_step"]
 
 
 def theory_bytes(report):

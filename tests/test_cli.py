@@ -25,6 +25,12 @@ BAD = [
     (["--device", "cuda"], "no CUDA GPU is available"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--n-head", "3"], "--d-model 128 must be divisible by --n-head 3"),
+    (["--link", "1"], "--link '1': expected GBPS:LATENCY_US, e.g. 1:50"),
+    (["--link", "fast:50"], "--link 'fast:50': expected GBPS:LATENCY_US"),
+    (["--link", "0:50"], "--link '0:50': the bandwidth must be positive and the latency 0 or more"),
+    (["--link", "1:-5"], "the bandwidth must be positive and the latency 0 or more"),
+    (["--link", "1:50", "--collectives", "torch"], "--link simulates a link for the ring"),
+    (["--collectives", "ring", "--device", "cuda"], "--collectives ring sends over gloo on the CPU"),
 ]
 
 
@@ -33,6 +39,10 @@ def test_bad_flags_one_line_nonzero_exit():
     # every lesson shares the flags: check each one rejects an unknown precision the same way
     commands += [[sys.executable, lesson_file(name), "--precision", "fp16"] for name in LESSONS[1:]]
     expected = [msg for _, msg in BAD] + ["invalid choice: 'fp16'"] * (len(LESSONS) - 1)
+    # 00 runs its own ring beside torch's; the PyTorch references call the process group themselves
+    commands += [[sys.executable, lesson_file("00_collectives"), "--link", "1:50"],
+                 [sys.executable, "-m", "scripts.perf.torch_reference", "--collectives", "ring"]]
+    expected += ["00 compares its own ring with torch's collectives", "the PyTorch references run on torch's collectives only"]
     for (code, err), msg in zip(run_all(commands), expected):
         assert code == 2, err
         lines = [l for l in err.splitlines() if l.strip()]

@@ -48,7 +48,7 @@ def _report(psi, sent, held, rss):
     rank = {"params": held / 4, "grads": held / 4, "optimizer": held / 2, "other": 0, "max_rss": rss}
     return {"n_params": psi, "config": {"global_batch": 16, "seq_len": 64},
             "memory": {"per_rank": [rank, dict(rank, max_rss=rss + 2 ** 20)]},
-            "comm": {"wire_bytes_per_rank": [sent, sent + 100], "ring_bytes_per_step": sent,
+            "comm": {"wire_bytes_per_rank": [sent, sent + 100], "issued_ring_bytes_per_step": sent,
                      "theory_ring_bytes_per_step": sent}}
 
 

@@ -37,6 +37,11 @@ CASES = {
     "06_no_prefetch": ("06_zero3", ZERO3 + ["--prefetch", "0"]),
     "06_no_prefetch_bf16_accum": ("06_zero3", ZERO3 + ["--prefetch", "0"] + BF16 + ACCUM),
 }
+# --collectives ring (collectives.py): the same lessons on the ring's thread and handles, the
+# stand-in wrapped around the ring's functions (installed first: _ring_installed)
+RING = ["--collectives", "ring"]
+CASES.update({f"{name}_ring": (lesson, argv + RING) for name, (lesson, argv) in CASES.items()
+              if name in ("01", "02", "03_bf16", "04", "05_accum", "06", "06_no_prefetch")})
 # the toy's edge cases (tied, frozen, never-used parameters; ranks starting apart; 3 micro-steps)
 TOYS = {f"toy_{n}": (n, dict(grad_accum=3, different_init=True, bucket_mb=2e-4))  # 03, 05: ~3 buckets
         for n in ("02", "03", "05", "06")}
@@ -199,7 +204,10 @@ def harness_itself():
 
 
 def suite(world):
-    out = {name: twice(lambda: run_lesson(lesson, argv)) for name, (lesson, argv) in CASES.items()}
+    out = {}
+    for name, (lesson, argv) in CASES.items():
+        with _ring_installed(name.endswith("_ring")):
+            out[name] = twice(lambda: run_lesson(lesson, argv))
     out.update({name: twice(lambda: toy_train(build, n, **kw)) for name, (n, kw) in TOYS.items()})
     ring = twice(lambda: load_lesson("00_collectives").main(["--n-layer", "1", "--d-model", "33", "--n-head", "3",
                                                              "--vocab-size", "65", "--device", "cpu"]))
@@ -207,6 +215,19 @@ def suite(world):
     out["mutants"] = {name: caught(mutant) for name, mutant in MUTANTS.items()}
     out["harness"] = harness_itself()
     return out
+
+
+@contextlib.contextmanager
+def _ring_installed(ring):
+    """The ring's collectives in dist before StreamSemantics wraps what dist holds (the lesson's
+    own init then leaves them in place: collectives.use), torch's again after."""
+    import collectives
+    if ring:
+        collectives.use("ring")
+    try:
+        yield
+    finally:
+        collectives.use("torch")
 
 
 results = launches(suite)  # one launch (2 ranks) for the whole file

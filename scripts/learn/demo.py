@@ -23,7 +23,7 @@ def main():
         m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
         held = m["params"] + m["grads"] + m["optimizer"]
         rows.append((lesson, r["losses"][-1], 1e3 * statistics.median(r["step_time_s"]),
-                     mib(r["comm"]["ring_bytes_per_step"]), mib(r["comm"]["theory_ring_bytes_per_step"]),
+                     mib(r["comm"]["issued_ring_bytes_per_step"]), mib(r["comm"]["theory_ring_bytes_per_step"]),
                      mib(held), mib(th["total"]), mib(m["peak_params"])))
     print(f"\n{a.nproc} ranks, {a.precision}, {a.steps} steps; bytes per rank (MiB); "
           "sent = ring bytes per optimizer step; held = params + grads + optimizer state at rest")

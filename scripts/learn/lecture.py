@@ -62,7 +62,7 @@ def table(reports, steps, nproc):
         m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
         rows.append(line([lesson, f"{loss:.4f}", CHECK if round(loss, 4) == ref else CROSS,
                           f"{1e3 * statistics.median(r['step_time_s']):.1f}",
-                          fmt(r["comm"]["ring_bytes_per_step"]), fmt(r["comm"]["theory_ring_bytes_per_step"]),
+                          fmt(r["comm"]["issued_ring_bytes_per_step"]), fmt(r["comm"]["theory_ring_bytes_per_step"]),
                           fmt(m["params"]), fmt(th["params"]), fmt(m["grads"]), fmt(th["grads"]),
                           fmt(m["optimizer"]), fmt(th["optimizer"])]))
     header = line([c for c, _, _ in cols])

@@ -101,7 +101,7 @@ def summarize(todo, medians, info):
             "tokens_per_s": report["config"]["global_batch"] * report["config"]["seq_len"] / med,
             "wire_bytes_per_step": max(wire) if wire else None,
             # what the lesson's own collectives add up to, ring-counted (PyTorch's are not seen: C++)
-            "ring_bytes_per_step": None if kind == "torch" else report["comm"]["ring_bytes_per_step"],
+            "ring_bytes_per_step": None if kind == "torch" else report["comm"]["issued_ring_bytes_per_step"],
             "theory_ring_bytes_per_step": report["comm"]["theory_ring_bytes_per_step"],
             "state_bytes": max(m["params"] + m["grads"] + m["optimizer"] for m in per_rank),
             "max_rss": max((m.get("max_rss") or 0) for m in per_rank) or None,

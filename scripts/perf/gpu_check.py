@@ -138,7 +138,7 @@ def row(world, precision, lesson, r, ref):
             "gpu_peak": "unavailable" if gpu_peak is None else f"{mib(gpu_peak):.0f}",
             "states": f"{mib(m['params'] + m['grads'] + m['optimizer']):.0f}",
             "theory": f"{mib(r['memory']['theory']['total']):.0f}",
-            "sent": f"{mib(comm['ring_bytes_per_step']):.1f} / {mib(comm['theory_ring_bytes_per_step']):.1f}",
+            "sent": f"{mib(comm['issued_ring_bytes_per_step']):.1f} / {mib(comm['theory_ring_bytes_per_step']):.1f}",
             "hidden": hidden}
 
 

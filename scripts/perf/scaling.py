@@ -79,7 +79,7 @@ def row(lesson, size, world, report, seconds):
         "lesson": lesson, "size": size, "world_size": world, "n_params": report["n_params"],
         "precision": report["precision"], "step_time_s": statistics.median(timed), "timed_steps_s": timed,
         "tokens_per_s": report["config"]["global_batch"] * report["config"]["seq_len"] / statistics.median(timed),
-        "ring_bytes_per_step": report["comm"]["ring_bytes_per_step"],
+        "ring_bytes_per_step": report["comm"]["issued_ring_bytes_per_step"],
         "theory_ring_bytes_per_step": report["comm"]["theory_ring_bytes_per_step"],
         "wire_bytes_per_step": max(wire) if wire else None,
         "memory": held, "theory_memory": {k: theory[k] for k in ("params", "grads", "optimizer", "total")},

@@ -67,6 +67,8 @@ def main(argv=None):
     args = common.parse_args(rest, description=__doc__)
     if args.precision != "fp32":
         lifecycle.fail("the PyTorch references run in fp32 only")
+    if args.collectives != "torch":  # DDP, ZeroRedundancyOptimizer and FSDP2 call the process group themselves
+        lifecycle.fail("the PyTorch references run on torch's collectives only (no --collectives ring, no --link)")
     env = common.init_distributed(args)
     model = common.build_model(args, env)
     psi = common.n_params(model)
