@@ -45,10 +45,10 @@ from model import GPT
 class Ring:
     """Ring collectives over point-to-point sends. `sent` counts the bytes this rank sends.
 
-    The same ring carries 01-06's collectives under `--collectives ring` (collectives.py), so it
+    The same ring carries 01-06's collectives under `--collectives ring` (scripts/perf/ring_collectives.py), so it
     also takes a process group (its ranks, in their order, form the ring), any length of tensor
     (the chunks then differ by at most one element: tensor_split), and a simulated link that
-    makes each send cost what it would on a real one (collectives.Link; None: as fast as it goes)."""
+    makes each send cost what it would on a real one (Link, below; None: as fast as it goes)."""
 
     def __init__(self, group=None, link=None):
         self.group, self.link = group, link
@@ -74,10 +74,12 @@ class Ring:
         if self.link is not None and send.numel():  # the simulated link: latency + bytes / bandwidth
             self.link.hold(send.numel() * send.element_size(), since=start)
 
-    def _reduce_scatter(self, chunks):
-        """In place: afterwards chunks[r] holds chunk r summed over all ranks."""
+    def _reduce_scatter(self, chunks, incoming=None):
+        """In place: afterwards chunks[r] holds chunk r summed over all ranks. Each arriving chunk
+        lands in `incoming` first: a new buffer, or one the caller keeps (scripts/perf/ring_collectives.py does)."""
         n, r = self.world_size, self.rank
-        incoming = torch.empty_like(chunks[0])  # the largest chunk (tensor_split: the first)
+        if incoming is None:
+            incoming = torch.empty_like(chunks[0])  # the largest chunk (tensor_split: the first)
         # ### BEGIN SOLUTION: ring reduce-scatter
         # GOAL: afterwards chunks[r] holds chunk r summed over all N ranks (other chunks may hold
         #       partial sums). Neighbour to neighbour only: N - 1 steps, every rank sending one chunk
@@ -122,14 +124,43 @@ class Ring:
         return out
 
 
+# ----------------------------------------------------------------------------- what a send costs
+class Link:
+    """A network link as the alpha-beta model sees it (and scripts/learn/cost_model.py): a send of
+    b bytes takes latency + 8 b / bandwidth seconds. So a ring pass over N ranks of S bytes costs
+    (N - 1) (latency + S/N / bandwidth): latency grows with N, the bytes term does not. `--link
+    GBPS:LATENCY_US` simulates one: each send is held until the link would have carried it."""
+
+    def __init__(self, gbps, latency_us):
+        self.gbps, self.latency_us = gbps, latency_us
+
+    @classmethod
+    def parse(cls, text):
+        """'GBPS:LATENCY_US' (gigabits per second, microseconds), e.g. '1:50'; ValueError if not."""
+        try:
+            gbps, latency = (float(x) for x in text.split(":"))
+        except ValueError:
+            raise ValueError(f"--link {text!r}: expected GBPS:LATENCY_US, e.g. 1:50 (1 Gb/s, 50 us)") from None
+        if not (0 < gbps < float("inf") and 0 <= latency < float("inf")):
+            raise ValueError(f"--link {text!r}: the bandwidth must be positive and the latency 0 or more")
+        return cls(gbps, latency)
+
+    def seconds(self, nbytes):
+        return self.latency_us * 1e-6 + nbytes * 8 / (self.gbps * 1e9)
+
+    def hold(self, nbytes, since):
+        """After a send that began at `since` (perf_counter): wait out what the link charges."""
+        time.sleep(max(0.0, since + self.seconds(nbytes) - time.perf_counter()))
+
+
 # ----------------------------------------------------------------------------- checked and counted
 def measured(fn):
-    """fn() with the bytes this process wrote on the wire while it ran (None off Linux)."""
+    """fn() with the bytes this process wrote on the wire while it ran (None off Linux), and its seconds."""
     dist.barrier()
-    before = bytes_written()
+    before, start = bytes_written(), time.perf_counter()
     out = fn()
-    after = bytes_written()
-    return out, None if before is None else after - before
+    seconds, after = time.perf_counter() - start, bytes_written()
+    return out, None if before is None else after - before, seconds
 
 
 def main(argv=None):
@@ -138,8 +169,10 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = common.parse_args(["--global-batch", str(world), *(sys.argv[1:] if argv is None else argv)],
                              description=__doc__)
-    if args.collectives != "torch":  # this lesson runs its ring beside torch's, to compare the two
-        lifecycle.fail("00 compares its own ring with torch's collectives: --collectives ring and --link are for 01-06")
+    if args.collectives == "ring" and not args.link:  # its ring runs beside torch's, to compare
+        lifecycle.fail("00 compares its own ring with torch's collectives: --collectives ring is for 01-06 "
+                       "(--link slows 00's ring)")
+    link, args.collectives = Link.parse(args.link) if args.link else None, "torch"  # torch's stay torch's
     env = common.init_distributed(args)
     n, r = env.world_size, env.rank
     with torch.device("meta"):
@@ -149,7 +182,7 @@ def main(argv=None):
     # torch's must be equal bit for bit, whatever order each adds in.
     g = torch.Generator().manual_seed(args.seed + r)
     x = torch.randint(-8, 8, (numel,), generator=g).float().to(env.device)
-    ring, out = Ring(), {}
+    ring, out = Ring(link=link), {}
     checks = {  # ours, torch's
         "reduce_scatter": (lambda: ring.reduce_scatter(x), lambda: _reduce_scatter(x, n)),
         "all_gather": (lambda: ring.all_gather(x[:numel // n]),
@@ -158,11 +191,13 @@ def main(argv=None):
     }
     for kind, (ours, theirs) in checks.items():
         ring.sent = 0
-        mine, wire = measured(ours)
-        want, torch_wire = measured(theirs)
+        mine, wire, seconds = measured(ours)
+        want, torch_wire, _ = measured(theirs)
+        passes = 2 if kind == "all_reduce" else 1
         out[kind] = {"equal_to_torch": bool(torch.equal(mine, want)), "sent_bytes": ring.sent,
                      "wire_bytes": wire, "torch_wire_bytes": torch_wire,
-                     "ring_bytes": (2 if kind == "all_reduce" else 1) * (n - 1) * numel // n * 4}
+                     "ring_bytes": passes * (n - 1) * numel // n * 4, "seconds": seconds,
+                     "link_seconds": link and passes * (n - 1) * link.seconds(numel // n * 4)}
     gathered = [None] * n
     dist.all_gather_object(gathered, out)
     if env.master:
@@ -173,7 +208,9 @@ def main(argv=None):
             torch_wire = "n/a" if o["torch_wire_bytes"] is None else f"{o['torch_wire_bytes'] / 2 ** 20:.3f}"
             print(f"  {kind:>14}: ours {o['sent_bytes'] / 2 ** 20:.3f} MiB (theory {o['ring_bytes'] / 2 ** 20:.3f}, "
                   f"on the wire {wire}) | torch's on the wire {torch_wire} MiB | "
-                  f"{'equal' if all(g[kind]['equal_to_torch'] for g in gathered) else 'DIFFERENT'} on every rank")
+                  f"{'equal' if all(g[kind]['equal_to_torch'] for g in gathered) else 'DIFFERENT'} on every rank"
+                  + (f" | ours {o['seconds'] * 1e3:.1f} ms (the link's (N-1)(latency + S/N/bandwidth) per pass: "
+                     f"{o['link_seconds'] * 1e3:.1f})" if link and n > 1 else ""))
         if args.report:
             with open(args.report, "w") as f:
                 json.dump({"strategy": "collectives", "world_size": n, "backend": env.backend,

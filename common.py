@@ -11,10 +11,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import collectives
-from collectives import Link
 from lifecycle import WATCHDOG_S, fail, say, start_heartbeat
 from model import GPT, GPTConfig
+from scripts.perf import ring_collectives
 
 # Supported: torch 2.6 to 2.15 (2.13 is the tested default). The lessons call the collectives by
 # the names every one of them has, all_gather_into_tensor and reduce_scatter_tensor; from 2.13 on
@@ -61,7 +60,7 @@ def build_parser(description=""):
                    help="06: all-gather the next unit while this one computes")
     g.add_argument("--collectives", choices=["torch", "ring"], default=None,
                    help="torch (default): the backend's own collectives; ring: lesson 00's ring of sends "
-                        "(collectives.py), whose bytes on the wire are the ZeRO paper's")
+                        "(scripts/perf/ring_collectives.py), whose bytes on the wire are the ZeRO paper's")
     g.add_argument("--link", metavar="GBPS:LATENCY_US", default=None,
                    help="a simulated link for the ring (implies --collectives ring): each send costs "
                         "latency + bytes / bandwidth, e.g. 1:50 (1 Gb/s, 50 us)")
@@ -111,7 +110,7 @@ def parse_args(argv=None, description=""):
         if args.collectives == "torch":
             fail("--link simulates a link for the ring: use it with --collectives ring (or alone), not torch")
         try:
-            Link.parse(args.link)
+            ring_collectives.lesson_00().Link.parse(args.link)
         except ValueError as e:
             fail(str(e))
     args.collectives = args.collectives or ("ring" if args.link else "torch")
@@ -159,8 +158,6 @@ def init_distributed(args) -> Dist:
     timeout = timedelta(seconds=args.timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ring = args.collectives == "ring"
-    if ring and args.device == "cuda":
-        fail("--collectives ring sends over gloo on the CPU (--device cpu); on CUDA, NCCL's collectives are the wire")
     if dist.is_initialized():
         kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
     else:
@@ -171,6 +168,8 @@ def init_distributed(args) -> Dist:
             fail(str(e))
         if why and int(os.environ.get("RANK", "0")) == 0:
             say(f"device: cpu, as --device auto found {why}")
+    if ring and "cuda" in (args.device, kind):  # (kind: a group made elsewhere on nccl)
+        fail("--collectives ring sends over gloo on the CPU (--device cpu); on CUDA, NCCL's collectives are the wire")
     device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
     backend = "nccl" if kind == "cuda" else "gloo"
     if kind == "cuda":
@@ -182,11 +181,10 @@ def init_distributed(args) -> Dist:
     elif not dist.is_initialized():  # plain `python 0N_x.py`: the same code path with a world of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     args.device = kind
-    if ring and kind == "cuda":  # a group made elsewhere (a test, a sweep) on nccl
-        fail("--collectives ring sends over gloo on the CPU; this process group is nccl")
-    # the lesson's collectives: torch's, or the ring's (collectives.py); set for every run, so a
-    # process that runs several lessons in one group (scripts/perf/sweep.py) gets what each asks
-    collectives.use(args.collectives, Link.parse(args.link) if args.link else None, timeout)
+    # the lesson's collectives: torch's, or the ring's (scripts/perf/ring_collectives.py); set for
+    # every run, so a process that runs several lessons in one group (sweep.py) gets what each asks
+    link = ring_collectives.lesson_00().Link.parse(args.link) if args.link else None
+    ring_collectives.use(args.collectives, link, timeout)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if dist.get_world_size() > 1:
         start_heartbeat(dist.get_rank(), watch=backend == "nccl" or os.environ.get("DP_WATCHDOG") == "1",

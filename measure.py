@@ -12,10 +12,10 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-import collectives
 import common
 from comm_meter import CommMeter
 from memory_ledger import MemoryLedger, Peaks, max_rss
+from scripts.perf import ring_collectives
 from theory import STATE_BYTES, buckets_in_flight, theory_memory, theory_ring_bytes
 
 
@@ -71,11 +71,11 @@ class Run:
 
     def _sync(self):
         """Wait for the step's communication: on CUDA the GPU's (kernels and NCCL collectives only
-        queue work on the CPU), under --collectives ring the ring's thread (collectives.drain).
+        queue work on the CPU), under --collectives ring the ring's thread (ring_collectives.drain).
         Before and after the measured step: its window then holds all that step sent and no more."""
         if self.cuda:
             torch.cuda.synchronize()
-        collectives.drain()
+        ring_collectives.drain()
 
     @contextmanager
     def _memory_probe(self):
@@ -189,7 +189,7 @@ class Run:
         print(f"  comm per rank per step (step {comm['measured_step']}): {ops or 'none'}")
         wire = comm["wire_bytes_per_rank"][0]
         wire = "n/a" if wire is None else f"{wire / mib:.3f} MiB"
-        link = r["config"].get("link") and f" on a {collectives.Link.parse(r['config']['link'])} link"
+        link = r["config"].get("link") and " on a {:g} Gb/s, {:g} us link".format(*map(float, r["config"]["link"].split(":")))
         print(f"  bytes sent per rank (rank 0), {r['config']['collectives']} collectives{link or ''}: "
               f"issued {comm['issued_ring_bytes_per_step'] / mib:.3f} MiB (asked for x ring factor) | "
               f"wire {wire} (written to the sockets) | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")

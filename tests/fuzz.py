@@ -43,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
 import hypothesis  # noqa: E402
 
+from scripts.perf import ring_collectives  # noqa: E402
 import optimizers  # noqa: E402
 from fuzz_models import global_batch, make_model, micro_batches, routing_slots  # noqa: E402
 import harness  # noqa: E402
@@ -121,7 +122,9 @@ def cases(draw, world=None):
             "precision": draw(st.sampled_from(("fp32", "bf16"))), "optimizer": draw(st.sampled_from(tuple(OPTIMIZERS))),
             "clip": draw(st.sampled_from((0.0, 0.05, 1.0))),  # 0.05 acts at every step, 1.0 at some
             "weight_decay": draw(st.sampled_from((0.0, 0.1))), "bucket_mb": draw(st.sampled_from(BUCKET_MB)),
-            "model": spec, "routes": routes}
+            "model": spec, "routes": routes,
+            # the lessons' collectives: torch's, or lesson 00's ring (--collectives ring)
+            "collectives": draw(st.sampled_from(("torch", "ring")))}
 # Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2
 # shards each rank's own weights; tests/toy.py covers the lessons), fp16 (no lesson's adapter),
 # a MixedPrecisionPolicy's output_dtype (06 refuses it).
@@ -216,6 +219,8 @@ def train(case, name, unused):
               find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs)
     if sharded_fp32 and bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # as 06's main()
+    # --collectives ring for the lessons (not the counterparts: FSDP2 calls dist's functions too)
+    ring_collectives.use(case.get("collectives", "torch") if name in LESSONS else "torch")
     trainer = build(name, model, **kw)
     step_no = [0]
     if name in FSDP2:  # a parameter no rank reached: FSDP2 gave it zeros, DDP leaves it None
@@ -233,6 +238,7 @@ def train(case, name, unused):
         loss = torch.tensor(trainer.train_step(micro_batches(case, s, rank)))
         dist.all_reduce(loss)
         losses.append(loss.item() / case["world"])
+    ring_collectives.use("torch")
     if name in LESSONS[:3] + ("ddp",):  # the optimizer's fp32 master weights, as the reference's
         return {"losses": losses, **held_weights(model, trainer.opt, trainer.full_parameters().items())}
     masters = set() if bf16 and not sharded_fp32 else None  # 04, 05: bf16 parameters only
@@ -478,7 +484,8 @@ def describe(case):
     m = case["model"]
     experts = sum(len(b["experts"]) for b in m["blocks"]) + bool(m["root_expert"])
     return (f"world {case['world']} accum {case['accum']} {case['precision']} {case['optimizer']} clip {case['clip']} "
-            f"wd {case['weight_decay']} bucket {case['bucket_mb']} MB; {len(m['blocks'])} blocks, {experts} experts"
+            f"wd {case['weight_decay']} bucket {case['bucket_mb']} MB{', ring' if case.get('collectives') == 'ring' else ''}; "
+            f"{len(m['blocks'])} blocks, {experts} experts"
             f"{', tied' if m['tied'] else ''}{', frozen emb' if m['frozen_emb'] else ''}"
             f"{', a frozen unit' if any(b['frozen'] == 'all' for b in m['blocks']) else ''}")
 

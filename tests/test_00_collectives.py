@@ -106,3 +106,14 @@ def test_every_exchange_is_one_grouped_send_and_receive(world):
     for equal, right, left, calls in spawn(world, point_to_point_calls):
         assert equal
         assert calls == [("group", [("isend", right), ("irecv", left)])] * (2 * (world - 1)), calls
+
+
+def test_on_a_simulated_link_each_pass_costs_the_alpha_beta_formula():
+    # --link 0.01:100: each of the N - 1 sends of a pass costs 100 us + its bytes at 0.01 Gb/s:
+    # ~25 ms a pass for this Psi, held by the link, plus what the machine adds (the first send
+    # also connects the pair): under 20% + 10 ms, where a send charged twice would be 100% more
+    for out in spawn(2, run, ARGV + ["--link", "0.01:100"])[0]:
+        for kind in ("reduce_scatter", "all_gather", "all_reduce"):
+            o = out[kind]
+            assert o["equal_to_torch"]
+            assert o["link_seconds"] <= o["seconds"] <= 1.2 * o["link_seconds"] + 0.01, (kind, o)

@@ -40,7 +40,7 @@ def test_bad_flags_one_line_nonzero_exit():
     commands += [[sys.executable, lesson_file(name), "--precision", "fp16"] for name in LESSONS[1:]]
     expected = [msg for _, msg in BAD] + ["invalid choice: 'fp16'"] * (len(LESSONS) - 1)
     # 00 runs its own ring beside torch's; the PyTorch references call the process group themselves
-    commands += [[sys.executable, lesson_file("00_collectives"), "--link", "1:50"],
+    commands += [[sys.executable, lesson_file("00_collectives"), "--collectives", "ring"],
                  [sys.executable, "-m", "scripts.perf.torch_reference", "--collectives", "ring"]]
     expected += ["00 compares its own ring with torch's collectives", "the PyTorch references run on torch's collectives only"]
     for (code, err), msg in zip(run_all(commands), expected):

@@ -18,7 +18,7 @@ def report(losses):
     """What row() reads of a lesson's report."""
     return {"losses": losses, "step_time_s": [0.2, 0.1, 0.1, 0.1], "config": {"global_batch": 8, "seq_len": 32},
             "memory": {"per_rank": [{"params": 1, "grads": 1, "optimizer": 1}], "theory": {"total": 3}},
-            "comm": {"overlap": None, "ring_bytes_per_step": 0, "theory_ring_bytes_per_step": 0}}
+            "comm": {"overlap": None, "issued_ring_bytes_per_step": 0, "theory_ring_bytes_per_step": 0}}
 
 
 class FakeLaunch:

@@ -1,4 +1,4 @@
-"""--collectives ring and --link (collectives.py): every lesson's collectives on lesson 00's ring,
+"""--collectives ring and --link (scripts/perf/ring_collectives.py): every lesson's collectives on lesson 00's ring,
 its bytes on the wire against the ZeRO paper's, its handles against torch.distributed's, its
 simulated link against latency + bytes / bandwidth, and its losses against torch's collectives."""
 import time
@@ -75,10 +75,10 @@ def test_the_ring_trains_as_torchs_collectives_at_more_ranks(world):
 # ----------------------------------------------------------------------------- the handle and the link
 def handles_and_link(world):
     """In a spawned rank: an async ring all-reduce on a slow link, watched before and after wait()."""
-    import collectives
-    from collectives import Link
+    from scripts.perf import ring_collectives
+    Link = ring_collectives.lesson_00().Link
     link = Link(gbps=0.1, latency_us=500)
-    collectives.use("ring", link, timeout=None)
+    ring_collectives.use("ring", link, timeout=None)
     try:
         r, n = dist.get_rank(), dist.get_world_size()
         x = torch.full((2 ** 18,), float(r + 1))  # 1 MiB of fp32
@@ -104,7 +104,7 @@ def handles_and_link(world):
                 "expected_ar_s": 2 * (n - 1) * link.seconds(x.numel() * 4 // n),
                 "expected_pass_s": (n - 1) * link.seconds(mine.numel() * 4)}
     finally:
-        collectives.use("torch")
+        ring_collectives.use("torch")
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -37,8 +37,8 @@ CASES = {
     "06_no_prefetch": ("06_zero3", ZERO3 + ["--prefetch", "0"]),
     "06_no_prefetch_bf16_accum": ("06_zero3", ZERO3 + ["--prefetch", "0"] + BF16 + ACCUM),
 }
-# --collectives ring (collectives.py): the same lessons on the ring's thread and handles, the
-# stand-in wrapped around the ring's functions (installed first: _ring_installed)
+# --collectives ring (scripts/perf/ring_collectives.py): the same lessons on the ring's thread
+# and handles, the stand-in wrapped around the ring's functions (installed first: _ring_installed)
 RING = ["--collectives", "ring"]
 CASES.update({f"{name}_ring": (lesson, argv + RING) for name, (lesson, argv) in CASES.items()
               if name in ("01", "02", "03_bf16", "04", "05_accum", "06", "06_no_prefetch")})
@@ -220,14 +220,14 @@ def suite(world):
 @contextlib.contextmanager
 def _ring_installed(ring):
     """The ring's collectives in dist before StreamSemantics wraps what dist holds (the lesson's
-    own init then leaves them in place: collectives.use), torch's again after."""
-    import collectives
+    own init then leaves them in place: ring_collectives.use), torch's again after."""
+    from scripts.perf import ring_collectives
     if ring:
-        collectives.use("ring")
+        ring_collectives.use("ring")
     try:
         yield
     finally:
-        collectives.use("torch")
+        ring_collectives.use("torch")
 
 
 results = launches(suite)  # one launch (2 ranks) for the whole file

@@ -26,8 +26,9 @@ def main():
                      mib(r["comm"]["issued_ring_bytes_per_step"]), mib(r["comm"]["theory_ring_bytes_per_step"]),
                      mib(held), mib(th["total"]), mib(m["peak_params"])))
     print(f"\n{a.nproc} ranks, {a.precision}, {a.steps} steps; bytes per rank (MiB); "
-          "sent = ring bytes per optimizer step; held = params + grads + optimizer state at rest")
-    header = f"{'lesson':<20} {'final loss':>10} {'step ms':>8} {'sent':>7} {'theory':>7} " \
+          "issued = per optimizer step, the payloads the collectives asked for x ring factor (a count); "
+          "held = params + grads + optimizer state at rest (measured)")
+    header = f"{'lesson':<20} {'final loss':>10} {'step ms':>8} {'issued':>7} {'theory':>7} " \
              f"{'held':>7} {'theory':>7} {'peak params':>11}"
     print(header + "\n" + "-" * len(header))
     for row in rows:

@@ -3,6 +3,7 @@
     make lecture                                   # or: .venv/bin/python -m scripts.learn.lecture
     .venv/bin/python -m scripts.learn.lecture --steps 20 --n-layer 2     # any lesson flag passes through
     make lecture FIGURES=1                         # then regenerate the README's figures (make figures)
+    make lecture LINK=1:50                         # on a simulated 1 Gb/s, 50 us link (--link: the ring)
 
 One torchrun launch runs all six lessons back to back (scripts/perf/sweep.py: start-up is paid once,
 about 6 s, instead of six times). The lessons' own output (per-step lines, summaries, torchrun's
@@ -11,10 +12,19 @@ one table. It is shown only if the run fails.
 
 Columns: the loss after K steps, with a check mark when it equals 01's to 4 decimals (in fp32
 every lesson computes the same training as single-process training, to float round-off); the
-median step time; the ring bytes each rank sends per optimizer step against the ZeRO paper's
-2Psi (3Psi for ZeRO-3) times (N-1)/N; the bytes each rank holds at rest, by category, against
-the paper's formula for that stage. Measured bytes include a few extras the formula leaves out
-(the 4-byte gradient-norm all-reduce, shard padding); they disappear at the printed precision.
+median step time; rank 0's communication in the measured step, measured on its clock: from
+each collective's issue to its completion (comm), and the part of it the rank sat blocked
+waiting (exposed: what overlap did not hide); the ring bytes each rank issues per optimizer
+step (what it asked for, times the ring factor) against the ZeRO paper's 2Psi (3Psi for ZeRO-3)
+times (N-1)/N; the bytes each rank holds at rest, measured, by category, against the paper's
+formula for that stage. The issued bytes include a few extras the formula leaves out (the
+4-byte gradient-norm all-reduce, shard padding); they disappear at the printed precision.
+06 runs twice, with and without prefetching the next unit's all-gather.
+
+With --link GBPS:LATENCY_US every lesson's collectives run on lesson 00's ring over a simulated
+link (scripts/perf/ring_collectives.py): communication then costs what it would on that link, and the exposed
+column shows what each lesson's idea buys: 01 waits for all of it after backward, 02 overlaps
+per tensor, 03 in buckets, and 06's prefetch hides the next unit's gather behind compute.
 """
 import argparse
 import json
@@ -24,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 
+from scripts.perf.sweep import NO_PREFETCH
 from scripts.runs import ROOT, available_lessons
 
 CHECK, CROSS = "\u2713", "\u2717"
@@ -32,6 +43,7 @@ CHECK, CROSS = "\u2713", "\u2717"
 def run_sweep(nproc, steps, flags):
     """All lessons in one torchrun launch; return {lesson: report}. Raise with the output if it fails."""
     lessons = available_lessons()
+    lessons += [NO_PREFETCH] if "06_zero3" in lessons else []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "sweep.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -51,8 +63,8 @@ def run_sweep(nproc, steps, flags):
 def table(reports, steps, nproc):
     first = next(iter(reports.values()))
     fmt = lambda b: f"{b / 2 ** 20:.3f}"  # noqa: E731  MiB
-    cols = [("lesson", 18, "<"), ("loss", 8, ">"), ("", 1, "<"), ("step ms", 8, ">"),
-            ("sent", 7, ">"), ("theory", 7, ">"), ("params", 7, ">"), ("theory", 7, ">"),
+    cols = [("lesson", 21, "<"), ("loss", 8, ">"), ("", 1, "<"), ("step ms", 8, ">"), ("comm ms", 8, ">"),
+            ("exposed", 8, ">"), ("issued", 7, ">"), ("theory", 7, ">"), ("params", 7, ">"), ("theory", 7, ">"),
             ("grads", 7, ">"), ("theory", 7, ">"), ("optim", 7, ">"), ("theory", 7, ">")]  # (title, width, align)
     line = lambda cells: " ".join(f"{c:{a}{w}}" for c, (_, w, a) in zip(cells, cols)).rstrip()  # noqa: E731
     ref = round(reports[next(iter(reports))]["losses"][-1], 4)
@@ -60,14 +72,19 @@ def table(reports, steps, nproc):
     for lesson, r in reports.items():
         loss = r["losses"][-1]
         m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
-        rows.append(line([lesson, f"{loss:.4f}", CHECK if round(loss, 4) == ref else CROSS,
-                          f"{1e3 * statistics.median(r['step_time_s']):.1f}",
+        ov = r["comm"]["overlap"] or {}
+        rows.append(line([lesson.replace("_zero3 --prefetch 0", "_no_prefetch"), f"{loss:.4f}",
+                          CHECK if round(loss, 4) == ref else CROSS, f"{1e3 * statistics.median(r['step_time_s']):.1f}",
+                          *(f"{ov[k]:.1f}" if k in ov else "n/a" for k in ("comm_ms", "exposed_ms")),
                           fmt(r["comm"]["issued_ring_bytes_per_step"]), fmt(r["comm"]["theory_ring_bytes_per_step"]),
                           fmt(m["params"]), fmt(th["params"]), fmt(m["grads"]), fmt(th["grads"]),
                           fmt(m["optimizer"]), fmt(th["optimizer"])]))
     header = line([c for c, _, _ in cols])
-    title = (f"{nproc} ranks, {first['precision']}, Psi = {first['n_params']:,}, loss after {steps} steps "
-             f"({CHECK} = 01's to 4 decimals); MiB per rank: sent per step, held at rest, each vs theory")
+    cfg = first["config"]
+    link = f" on a simulated {cfg['link'].replace(':', ' Gb/s, ')} us link" if cfg.get("link") else ""
+    title = (f"{nproc} ranks, {first['precision']}, {cfg['collectives']} collectives{link}, Psi = {first['n_params']:,}, "
+             f"loss after {steps} steps ({CHECK} = 01's to 4 decimals); rank 0's communication in ms "
+             f"(measured: issue to completion, and exposed); MiB per rank: issued per step, held at rest, each vs theory")
     return "\n".join([title, header, "-" * len(header), *rows])
 
 

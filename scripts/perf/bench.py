@@ -2,6 +2,8 @@
 
     make bench            # or: .venv/bin/python -m scripts.perf.bench [--rounds 3] [--steps 20]
     .venv/bin/python -m scripts.perf.bench --quick --lessons 03_buckets    # a tiny model, 1 round
+    .venv/bin/python -m scripts.perf.bench --configs 10M --lessons 04_zero1 05_zero2 --collectives torch ring
+                          # each lesson on torch's collectives and on the ring's, interleaved
 
 Step times on a shared 2-core machine drift by +-25 % over minutes, so every round runs every
 variant once, in the same order, and we report the median over rounds of each run's median
@@ -52,16 +54,21 @@ CONFIG_LESSONS = {"many-small": ["01_vanilla_dp", "02_async_allreduce", "03_buck
 QUICK = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--global-batch", "8"]
 
 
-def variants(lessons):
+def variants(lessons, collectives=("torch",)):
+    """(kind, name) per run: the limit, then each lesson after its counterpart; "lesson" runs it on
+    torch's collectives, "lesson-ring" on the ring's (--collectives ring)."""
     out = [("torch", "local")]
     for lesson in lessons:
         ref = COUNTERPART[lesson]
         if ("torch", ref) not in out:
             out.append(("torch", ref))
-        out.append(("lesson", lesson))
-        if lesson == "06_zero3":
+        out += [("lesson" if c == "torch" else "lesson-ring", lesson) for c in collectives]
+        if lesson == "06_zero3" and "torch" in collectives:
             out.append(("lesson-noprefetch", lesson))
     return out
+
+
+EXTRA = {"lesson": [], "lesson-noprefetch": ["--prefetch", "0"], "lesson-ring": ["--collectives", "ring"]}
 
 
 def run_one(kind, name, nproc, steps, extra):
@@ -70,14 +77,14 @@ def run_one(kind, name, nproc, steps, extra):
     if kind == "torch":
         report = launch("scripts.perf.torch_reference", nproc, ["--impl", name, *args])
     else:
-        report = launch(name, nproc, args + (["--prefetch", "0"] if kind == "lesson-noprefetch" else []))
+        report = launch(name, nproc, args + EXTRA[kind])
     times = report["step_time_s"][3:-1]  # drop warm-up (first-touch allocation, lazy optimizer
     # state) and the measured last step
     return statistics.median(times), report
 
 
 def label_of(kind, name):
-    return LABEL[name] if kind == "torch" else name + (" --prefetch 0" if kind == "lesson-noprefetch" else "")
+    return LABEL[name] if kind == "torch" else " ".join([name, *EXTRA[kind]])
 
 
 def summarize(todo, medians, info):
@@ -98,6 +105,11 @@ def summarize(todo, medians, info):
             "vs_pytorch": None if kind == "torch" else med / statistics.median(medians[ref]),
             "vs_pytorch_rounds": None if kind == "torch" else [a / b for a, b in zip(medians[v], medians[ref])],
             "vs_limit": med / statistics.median(medians[("torch", "local")]),
+            # the ring's collectives against torch's, same lesson, same rounds
+            "vs_torch_collectives": None if kind != "lesson-ring" or ("lesson", name) not in medians else
+            med / statistics.median(medians["lesson", name]),
+            "vs_torch_collectives_rounds": None if kind != "lesson-ring" or ("lesson", name) not in medians else
+            [a / b for a, b in zip(medians[v], medians["lesson", name])],
             "tokens_per_s": report["config"]["global_batch"] * report["config"]["seq_len"] / med,
             "wire_bytes_per_step": max(wire) if wire else None,
             # what the lesson's own collectives add up to, ring-counted (PyTorch's are not seen: C++)
@@ -124,6 +136,11 @@ def table_for(config, summary):
         rows.append(f"| {r['run']} | {1e3 * r['median_s']:.1f} | {1e3 * lo:.1f}-{1e3 * hi:.1f} "
                     f"| {r['vs_limit']:.2f}x | {ratio} "
                     f"| {r['tokens_per_s']:,.0f} | {sent} | {mib(r['state_bytes']):.2f} | {rss} |")
+    ring = [r for r in summary["runs"] if r.get("vs_torch_collectives")]
+    if ring:
+        rows.append("\n| lesson | ring / torch collectives | per round |\n|---|---:|---|")
+        rows += [f"| {r['name']} | {r['vs_torch_collectives']:.3f}x | "
+                 f"{', '.join(f'{x:.3f}' for x in r['vs_torch_collectives_rounds'])} |" for r in ring]
     return "\n".join(rows)
 
 
@@ -173,6 +190,8 @@ def main():
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--lessons", nargs="+", default=None, help="e.g. 01_vanilla_dp 03_buckets")
+    p.add_argument("--collectives", nargs="+", choices=["torch", "ring"], default=["torch"],
+                   help="run each lesson on torch's collectives, the ring's (--collectives ring), or both")
     p.add_argument("--quick", action="store_true", help="a tiny model, 1 round of 6 steps: a smoke test")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench"),
                    help="where bench.md, bench.json and bench.png go")
@@ -185,7 +204,7 @@ def main():
     lessons = a.lessons or available_lessons()
     results = {}
     for config in a.configs:
-        todo = variants([l for l in lessons if l in CONFIG_LESSONS.get(config, lessons)])
+        todo = variants([l for l in lessons if l in CONFIG_LESSONS.get(config, lessons)], a.collectives)
         if not todo:
             continue
         medians = {v: [] for v in todo}

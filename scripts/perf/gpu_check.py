@@ -8,9 +8,10 @@ Runs every lesson at world 1, and at world = the number of GPUs when there are t
 fp32 and bf16, on a GPT of 29.7M parameters, and prints per run: the final loss and its largest
 distance, over every step, from the same training on the CPU (single process, gloo), the median
 step time, tokens/s, the GPU's peak allocated memory in the measured step beside the model
-states the ZeRO formula gives, the ring bytes sent per rank against theory, and the share of
-communication hidden behind compute (from the GPU's kernel times; at world 1 there is no
-communication). Then lesson 00's ring collectives at world = the number of GPUs (its grouped
+states the ZeRO formula gives, the bytes each rank issued per step (the payloads its collectives
+asked for times the ring factor, a count: NCCL's wire bytes are not readable) against theory,
+and the share of communication hidden behind compute (from the GPU's kernel times; at world 1
+there is no communication). Then lesson 00's ring collectives at world = the number of GPUs (its grouped
 sends and receives on NCCL; with one GPU it says in one line that it is skipped), and 06 saved on
 the GPUs and resumed at another world size on another device (CPU at world 2, or 1 GPU after N).
 Exits non-zero if any run fails, a loss is NaN or infinite at any step, two runs compared differ
@@ -138,14 +139,14 @@ def row(world, precision, lesson, r, ref):
             "gpu_peak": "unavailable" if gpu_peak is None else f"{mib(gpu_peak):.0f}",
             "states": f"{mib(m['params'] + m['grads'] + m['optimizer']):.0f}",
             "theory": f"{mib(r['memory']['theory']['total']):.0f}",
-            "sent": f"{mib(comm['issued_ring_bytes_per_step']):.1f} / {mib(comm['theory_ring_bytes_per_step']):.1f}",
+            "issued": f"{mib(comm['issued_ring_bytes_per_step']):.1f} / {mib(comm['theory_ring_bytes_per_step']):.1f}",
             "hidden": hidden}
 
 
 COLUMNS = [("lesson", "lesson"), ("world", "N"), ("precision", "precision"), ("loss", "final loss"),
            ("cpu_diff", "vs CPU"), ("step_ms", "step ms"), ("tok_s", "tokens/s"),
            ("gpu_peak", "GPU peak MiB"), ("states", "model states MiB"), ("theory", "ZeRO formula MiB"),
-           ("sent", "sent / theory MiB"), ("hidden", "comm hidden")]
+           ("issued", "issued / theory MiB"), ("hidden", "comm hidden")]
 
 
 def table(rows):
@@ -255,7 +256,7 @@ def check(a):
                  for r in rows if not r["ok"]]
     checks = []  # (name, None when it passed or why it failed, what was measured)
     if ngpu >= 2:
-        checks.append((*ring(ngpu, flags, a.device), "ring == torch, sent == theory, on every rank"))
+        checks.append((*ring(ngpu, flags, a.device), "ring == torch, its sends == theory, on every rank"))
     else:
         print("  00_collectives: skipped, 1 GPU (its ring sends between ranks: 2 or more GPUs run it)")
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,9 +16,10 @@ Per run (a lesson at a size and a world size):
 - step time: the median over the steps after WARMUP warm-up steps (Adam's lazy state, first
   touch of memory), the last step excluded: it is the measured one (collectives wrapped, memory
   walked after every operation in 06), whose time says nothing about the lesson;
-- bytes sent per rank per optimizer step: the ring bytes of the collectives the lesson issued
-  in the measured step (comm_meter.CommMeter), next to the ZeRO paper's 2 Psi (3 Psi for ZeRO-3)
-  x (N-1)/N, and what each rank's process actually wrote on the wire (gloo, Linux);
+- bytes sent per rank per optimizer step, issued: the payloads the lesson asked for in the
+  measured step (comm_meter.CommMeter) times the ring factor, a count, next to the ZeRO paper's
+  2 Psi (3 Psi for ZeRO-3) x (N-1)/N; and wire: what each rank's process wrote to its sockets
+  (measured, /proc/self/io; gloo on Linux), the most of any rank;
 - bytes held per rank at rest (params, grads, optimizer state), walked from the live tensors
   (memory_ledger.MemoryLedger), next to the paper's formula; for 06 also peak_params, the most
   parameter bytes alive at once in the step (its shards plus the units gathered in flight;
@@ -79,7 +80,7 @@ def row(lesson, size, world, report, seconds):
         "lesson": lesson, "size": size, "world_size": world, "n_params": report["n_params"],
         "precision": report["precision"], "step_time_s": statistics.median(timed), "timed_steps_s": timed,
         "tokens_per_s": report["config"]["global_batch"] * report["config"]["seq_len"] / statistics.median(timed),
-        "ring_bytes_per_step": report["comm"]["issued_ring_bytes_per_step"],
+        "issued_ring_bytes_per_step": report["comm"]["issued_ring_bytes_per_step"],
         "theory_ring_bytes_per_step": report["comm"]["theory_ring_bytes_per_step"],
         "wire_bytes_per_step": max(wire) if wire else None,
         "memory": held, "theory_memory": {k: theory[k] for k in ("params", "grads", "optimizer", "total")},
@@ -91,22 +92,25 @@ def row(lesson, size, world, report, seconds):
 def tables(result):
     """Markdown: one table per world size, lessons grouped by model size."""
     out = [f"Scaling: {result['meta']['summary']}\n",
-           "Step = median step time; sent = ring bytes per rank per optimizer step, measured (theory); "
-           "held = bytes per rank at rest, measured (theory); peak params: the most parameter bytes "
-           "alive at once in the step (06 only). MiB = 2^20 bytes.\n"]
+           "Step = median step time; issued = per rank per optimizer step, the payloads the lesson asked "
+           "for times the ring factor, a count (theory); wire = what a rank's process wrote to its sockets, "
+           "measured, the most of any rank (gloo's reduce-scatter is an all-reduce underneath, so 04-06 "
+           "write more than theory); held = bytes per rank at rest, measured (theory); "
+           "peak params: the most parameter bytes alive at once in the step (06 only). MiB = 2^20 bytes.\n"]
     for world in result["worlds"]:
         rows = [r for r in result["rows"] if r["world_size"] == world]
         if not rows:
             continue
         out += [f"\n**world size {world}**\n",
-                "| size | Psi | lesson | step (ms) | tokens/s | sent MiB (theory) | params MiB | grads MiB "
-                "| optimizer MiB | held MiB (theory) | peak params MiB |",
-                "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "| size | Psi | lesson | step (ms) | tokens/s | issued MiB (theory) | wire MiB | params MiB "
+                "| grads MiB | optimizer MiB | held MiB (theory) | peak params MiB |",
+                "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
-            m, th = r["memory"], r["theory_memory"]
+            m, th, wire = r["memory"], r["theory_memory"], r["wire_bytes_per_step"]
             out.append(f"| {r['size']} | {r['n_params']:,} | {r['lesson']} | {1e3 * r['step_time_s']:.1f} "
-                       f"| {r['tokens_per_s']:,.0f} | {mib(r['ring_bytes_per_step']):.2f} "
-                       f"({mib(r['theory_ring_bytes_per_step']):.2f}) | {mib(m['params']):.2f} "
+                       f"| {r['tokens_per_s']:,.0f} | {mib(r['issued_ring_bytes_per_step']):.2f} "
+                       f"({mib(r['theory_ring_bytes_per_step']):.2f}) "
+                       f"| {'n/a' if wire is None else f'{mib(wire):.2f}'} | {mib(m['params']):.2f} "
                        f"| {mib(m['grads']):.2f} | {mib(m['optimizer']):.2f} | {mib(m['total']):.2f} "
                        f"({mib(th['total']):.2f}) | "
                        + (f"{mib(r['peak_params']):.2f} |" if r["peak_params"] is not None else "|"))
@@ -163,10 +167,10 @@ def plot_model_size(result, world, path):
     psi = lambda r: r["n_params"]
     _lines(a, rows, psi, lambda r: 1e3 * r["step_time_s"], lessons)
     a.set(xlabel="parameters (Psi)", ylabel="median step time (ms)", title="step time")
-    _lines(b, rows, psi, lambda r: mib(r["ring_bytes_per_step"]), lessons,
+    _lines(b, rows, psi, lambda r: mib(r["issued_ring_bytes_per_step"]), lessons,
            theory=lambda r: mib(r["theory_ring_bytes_per_step"]))
     b.set(xlabel="parameters (Psi)", ylabel="MiB per rank per step",
-          title="bytes sent (dotted: 2Psi or 3Psi x (N-1)/N)" if world > 1 else "bytes sent (none at world 1)")
+          title="bytes issued (dotted: 2Psi or 3Psi x (N-1)/N)" if world > 1 else "bytes issued (none at world 1)")
     _lines(c, rows, psi, lambda r: mib(r["memory"]["total"]), lessons, theory=lambda r: mib(r["theory_memory"]["total"]))
     c.set(xlabel="parameters (Psi)", ylabel="MiB per rank", title="model states held at rest (dotted: ZeRO)")
     _log_axes((a, b, c), (True, world > 1, True))  # at world 1 nothing is sent: no logarithm
@@ -188,9 +192,9 @@ def plot_world_size(result, size, path):
     n = lambda r: r["world_size"]
     _lines(a, rows, n, lambda r: 1e3 * r["step_time_s"], lessons)
     a.set(xlabel="ranks (2 cores: 4 ranks share them)", ylabel="median step time (ms)", title="step time")
-    _lines(b, rows, n, lambda r: mib(r["ring_bytes_per_step"]), lessons,
+    _lines(b, rows, n, lambda r: mib(r["issued_ring_bytes_per_step"]), lessons,
            theory=lambda r: mib(r["theory_ring_bytes_per_step"]))
-    b.set(xlabel="ranks", ylabel="MiB per rank per step", title="bytes sent (dotted: theory)")
+    b.set(xlabel="ranks", ylabel="MiB per rank per step", title="bytes issued (dotted: theory)")
     _lines(c, rows, n, lambda r: mib(r["memory"]["total"]), lessons, theory=lambda r: mib(r["theory_memory"]["total"]))
     # ZeRO-3 holds its shards at rest, and during the step the units gathered in flight
     peak = [r for r in rows if r["lesson"] == "06_zero3" and r["peak_params"] is not None]
@@ -251,7 +255,11 @@ def main():
     a.figures = a.figures or (a.out if a.quick else os.path.join(ROOT, "docs", "figures"))
     if a.replot:
         with open(os.path.join(a.out, "scaling.json")) as f:
-            md, written = write_outputs(json.load(f), a.out, a.figures)
+            result = json.load(f)
+        for r in result["rows"]:  # a scaling.json written before the key said what it counts
+            if "ring_bytes_per_step" in r:
+                r["issued_ring_bytes_per_step"] = r.pop("ring_bytes_per_step")
+        md, written = write_outputs(result, a.out, a.figures)
         print(md + "\n" + "\n".join(f"wrote {os.path.relpath(w, ROOT)}" for w in written))
         return
     catalogue = QUICK_SIZES if a.quick else SIZES
