@@ -24,11 +24,15 @@ scaling: setup   ## step time, bytes sent and held per rank vs model size (~1M-5
 figures: setup   ## regenerate the README's figures from fresh runs
 	$(PY) -m scripts.perf.figures
 
-lecture: setup   ## the lecture run: 01 -> 06 at 2 ranks in one launch, one table (about 2 minutes); FIGURES=1 also redraws the README's figures
-	$(PY) -m scripts.learn.lecture $(if $(filter 1 yes true,$(FIGURES)),--figures)
+lecture: setup   ## the lecture run: 01 -> 06 at 2 ranks in one launch, one table (about 2 minutes); FIGURES=1 also redraws the README's figures; LINK=1:50 on a simulated link
+	$(PY) -m scripts.learn.lecture $(if $(filter 1 yes true,$(FIGURES)),--figures) $(if $(LINK),--link $(LINK))
 
 at-scale: setup  ## the at-scale cost model: published checks, then calibrate on this machine (~1 minute): runs/at_scale/calibration.json
 	$(PY) -m scripts.learn.at_scale --check-published && $(PY) -m scripts.learn.at_scale --calibrate
+
+.PHONY: calibrate-link
+calibrate-link: setup  ## the cost model against 01-06 on simulated 1 and 10 Gb/s links (~3 minutes): runs/at_scale/link_calibration.json; exit 1 beyond +-15%
+	$(PY) -m scripts.learn.at_scale --calibrate --link 1:50 10:50
 
 diffs: setup     ## regenerate docs/diffs/ (the diff between consecutive lessons)
 	$(PY) -m scripts.learn.diffs

@@ -1,7 +1,8 @@
 """The at-scale cost model (scripts/learn/cost_model.py) and its command (scripts/learn/at_scale.py):
 ring costs to the formula, the calibration reproducing synthetic measurements (and failing when
-they disagree), the published checks within their tolerances, and one-line errors for bad input.
-Pure arithmetic: no lesson is launched here (a few seconds)."""
+they disagree), the published checks within their tolerances, the calibration on a simulated link
+(a lesson by hand, the shared core, the exit beyond the tolerance) and one-line errors for bad
+input. Pure arithmetic: no lesson is launched here (a few seconds)."""
 import subprocess
 import sys
 from dataclasses import replace
@@ -154,3 +155,126 @@ def test_bad_input_as_a_script_no_traceback():
                        capture_output=True, text=True)
     assert p.returncode != 0 and p.stdout == ""
     assert p.stderr.strip().splitlines() == ["at_scale: error: --world 12 is not a whole number of 8-GPU nodes"]
+
+
+# ----------------------------------------------------------------------------- on a simulated link
+# A link of 2^30 bytes/s (8.589934592 Gb/s) and 2^-14 s (61.03515625 us) per send; the ring's own
+# cost 2^-11 s per call at every size and the same with no link (so no loopback copy to hide)
+SPEC, BYTES_PER_S, LATENCY, OWN = "8.589934592:61.03515625", 2.0 ** 30, 2.0 ** -14, 2.0 ** -11
+
+
+def link_calibration(share=0.5, exposed_ms=None):
+    """calibrate_link's data, made up: the ring's cost, no-link runs (compute 40 ms + their exposed)."""
+    flat = {op: [[8, OWN, OWN], [2 ** 24, OWN, OWN]] for op in OPS}
+    none = {name: {"step_s": 0.05, "exposed_s": 0.01, "compute_s": 0.04} for name in LESSONS}
+    return {"ranks": 2, "batch": 4, "params": 3_184_128, **at_scale.gradient_layout(), "optimizer_bytes_per_s": 2.0 ** 33,
+            "transport": {"costs": {"none": flat, SPEC: flat}, "share": share}, "tolerance": at_scale.TOLERANCE,
+            "runs": {"none": none, SPEC: {name: {"step_s": 0.1, "exposed_s": (exposed_ms or 50) / 1e3} for name in LESSONS}},
+            "machine": {"cores": 2, "torch": "x", "cpu": "x"}, "flags": at_scale.LINK_FLAGS}
+
+
+def test_lesson_02_is_modelled_as_each_gradient_async_during_backward():
+    assert LESSONS["02_async_allreduce"].per_tensor and LESSONS["02_async_allreduce"].overlap
+    assert not LESSONS["01_vanilla_dp"].overlap  # 01: the same calls, after backward
+
+
+def test_zero1_on_a_link_is_its_three_collectives_by_hand():
+    # 04 hides nothing: exposed = reduce-scatter + the clip's scalar all-reduce + all-gather, each
+    # the ring's own cost plus, at 2 ranks, one send of S/2 (two of 2 bytes for the scalar)
+    cal = link_calibration()
+    row = next(r for r in at_scale.predict_link(cal) if r["lesson"] == "04_zero1")
+    s = 4 * cal["params"]
+    send = lambda b: LATENCY + b / BYTES_PER_S  # noqa: E731
+    exposed = (OWN + send(s / 2)) + (OWN + 2 * LATENCY + 4 / BYTES_PER_S) + (OWN + send(s / 2))
+    assert row["predicted_exposed_ms"] == pytest.approx(exposed * 1e3, rel=1e-9)
+    # compute from the run with no link (its step less its exposed), the optimizer inside it
+    assert row["predicted_ms"] == pytest.approx((0.04 + exposed) * 1e3, rel=1e-9)
+
+
+def test_a_collective_beside_compute_gets_a_share_of_the_core():
+    from scripts.learn.cost_model import simulate
+    # 8 ms of the ring's own work issued with 40 ms of compute: at a quarter of the core it ends
+    # at 32 ms, hidden; the compute keeps its pace. Alone: 8 ms, waited for in full.
+    beside = [("issue", 0, 0.008, 0.0, 0.0), ("compute", 0.040), ("wait", 0)]
+    assert simulate(beside, share=0.25) == pytest.approx((0.040, 0.0))
+    assert simulate([("issue", 0, 0.008, 0.0, 0.0), ("wait", 0)], share=0.25) == pytest.approx((0.008, 0.008))
+    # the loopback copy runs while the link's time passes: own + max(copy, wire)
+    assert simulate([("issue", 0, 0.001, 0.003, 0.005), ("wait", 0)]) == pytest.approx((0.006, 0.006))
+    assert simulate([("issue", 0, 0.001, 0.003, 0.005), ("compute", 0.010), ("wait", 0)], share=0.5) \
+        == pytest.approx((0.010, 0.0))  # 2 ms own, then max(6 ms copy, 5 ms wire): done at 8
+
+
+def test_prefetch_and_the_reduce_scatter_cap_show_in_exposed_time():
+    cal = link_calibration()
+    rows = {r["lesson"]: r for r in at_scale.predict_link(cal)}
+    assert rows["06_zero3"]["predicted_exposed_ms"] < rows["06_zero3 --prefetch 0"]["predicted_exposed_ms"]
+    assert rows["03_buckets"]["predicted_exposed_ms"] < rows["01_vanilla_dp"]["predicted_exposed_ms"]
+    # a cap on the reduces in flight (05: 2, 06: 1) stalls backward: buckets of 10, 1 and 1 MB,
+    # ~24 ms of backward; the first (~10 ms on the link) goes at 20 ms, the second is ready at
+    # 22 ms and, capped at one, waits for the first: backward's last 2 ms then run after ~30 ms,
+    # and the third bucket goes ~2 ms later than the queue could have taken it
+    w = replace(at_scale.lesson_workload(cal), bucket_bytes=(10e6, 1e6, 1e6))
+    cluster = at_scale.link_cluster(cal, SPEC, 7e10)
+    capped, free = (step(w, replace(STAGES["dp"], in_flight=k), 2, cluster) for k in (1, 0))
+    assert capped["backward_s"] == pytest.approx(0.024, rel=0.02)
+    assert capped["exposed_s"] > free["exposed_s"] + 0.0003 and capped["step_s"] > free["step_s"] + 0.0003
+
+
+def fake_launch(cal, miss=None):
+    """scripts.runs.launch for calibrate_link, without a launch: the probe's costs, and the
+    lessons' reports as the model predicts them (one lesson `miss`ing by 30% on exposed time)."""
+    def launch(script, nproc, args=()):
+        if script == "scripts.learn.at_scale":
+            return cal["transport"]
+        spec = args[args.index("--link") + 1] if "--link" in args else "none"
+        reports = {}
+        for name in LESSONS:
+            if spec == "none":
+                step_s, exposed_s = 0.05, 0.01
+            else:
+                r = step(at_scale.lesson_workload(cal), LESSONS[name], 2, at_scale.link_cluster(
+                    cal, spec, flops_per_token_of(cal) / at_scale.lesson_compute(cal, name)))
+                step_s, exposed_s = r["step_s"], r["exposed_s"] * (1.3 if name == miss else 1.0)
+            for k in at_scale.SEEDS:
+                reports[f"{name} --seed {k}"] = {"step_time_s": [step_s] * 5,
+                                                 "comm": {"overlap": {"exposed_ms": exposed_s * 1e3, "comm_ms": 0.0}}}
+        return {"worlds": {"2": {"reports": reports}}}
+    return launch
+
+
+def flops_per_token_of(cal):
+    from scripts.learn.cost_model import flops_per_token
+    w = at_scale.lesson_workload(cal)
+    return flops_per_token(w.model, w.seq) * w.batch * w.seq
+
+
+@pytest.mark.parametrize("miss, code", [(None, 0), ("06_zero3", 1)])
+def test_link_calibration_exits_nonzero_beyond_the_tolerance(monkeypatch, tmp_path, capsys, miss, code):
+    cal = link_calibration()
+    cal["runs"]["none"] = {name: {"step_s": 0.05, "exposed_s": 0.01, "compute_s": 0.04} for name in LESSONS}
+    monkeypatch.setattr(at_scale, "OUT", str(tmp_path))
+    monkeypatch.setattr(at_scale, "measure_compute", lambda batch: (at_scale.cal_model()[2], 1e10, 2.0 ** 33))
+    monkeypatch.setattr("scripts.runs.launch", fake_launch(cal, miss))
+    assert at_scale.main(["--calibrate", "--link", SPEC]) == code
+    out = capsys.readouterr().out
+    assert (f"OFF: {miss} on {SPEC}" in out) == (miss is not None)
+    assert (tmp_path / "link_calibration.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--calibrate", "--link", "fast"], "argument --link: 'fast': expected GBPS:LATENCY_US"),
+    (["--calibrate", "--link", "0:50"], "the bandwidth must be positive"),
+    (["--link", "1:50"], "--link goes with --calibrate"),
+])
+def test_bad_link_is_one_line(argv, message):
+    with pytest.raises(SystemExit) as e:
+        at_scale.main(argv)
+    assert isinstance(e.value.code, str) and message in e.value.code and "\n" not in e.value.code
+
+
+def test_bad_link_as_a_script_no_traceback():
+    p = subprocess.run([sys.executable, "-m", "scripts.learn.at_scale", "--calibrate", "--link", "1"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == [
+        "at_scale: error: argument --link: '1': expected GBPS:LATENCY_US, e.g. 1:50 (1 Gb/s, 50 us)"]

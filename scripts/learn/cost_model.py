@@ -6,7 +6,9 @@ is the command line, calibrates it on this machine and checks it against publish
 
     compute     FLOPs per token = 6 (Psi - lookup-only params) + 12 L d s, at efficiency x peak
     collective  alpha-beta ring, bus-bandwidth convention, two levels (NVLink inside a node, NIC across)
-    overlap     a serial communication queue beside the compute, units / buckets as in 03, 05, 06
+    overlap     a main thread beside a communication thread running collectives in issue order
+                (simulate): buckets, units, gradients as 02, 03, 05, 06 issue them; on a CPU
+                rank the ring's own work shares the compute's core, the link's time hides
     memory      theory.py's model states + Korthikanti et al. 2022's activations + working buffers
 """
 from dataclasses import dataclass
@@ -63,9 +65,14 @@ class GPU:
 @dataclass(frozen=True)
 class Link:
     """One level of the network, as NCCL sees it: achieved bus bandwidth per collective (bytes/s,
-    per GPU) and the latency of one ring step (s)."""
+    per GPU) and the latency of one ring step (s). The lessons' ring on a CPU adds the transport's
+    own work, measured per collective as [(tensor bytes, s), ...] (None on GPUs): `own` beside the
+    link (Python, adds, copies, a wake-up), `copy` the loopback transfer, which a simulated link's
+    time covers. That work takes the rank's core; the link's time does not."""
     busbw: dict
     latency: dict
+    own: dict = None
+    copy: dict = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class Cluster:
     inter: Link
     efficiency: float = 0.40  # achieved / peak FLOP/s of the model's compute (see EFFICIENCY)
     overlap: float = 1.0      # share of a collective that hides behind compute beside it (GPUs: 1)
+    core_share: float = None  # a CPU rank: while its compute runs, the transport's work (the links'
+    # cpu part) gets this share of a core; None: a core of its own (GPUs: the NIC, NVLink)
 
 
 # Datasheets (dense BF16, no sparsity; memory; memory bandwidth): NVIDIA H100 Tensor Core GPU
@@ -119,7 +128,10 @@ class Workload:
     precision: str = "bf16"    # bf16: ZeRO's mixed precision (2 + 2 + 12 bytes); fp32: the lessons' default
     reduce_bytes: int = 0      # bytes per gradient element on the wire; 0: as the parameters (2 or 4)
     bucket_mb: float = 25.0    # the lessons' and DDP's bucket cap (MiB)
-    tensors: int = 0           # lesson 01 all-reduces each gradient tensor: how many there are
+    first_bucket_mb: float = 0  # a smaller first bucket (03, 05 and DDP: 1 MiB); 0: as the others
+    bucket_bytes: tuple = ()   # the buckets as bucket.py cuts them, in launch order (empty: by size alone)
+    tensors: int = 0           # lessons 01 and 02 all-reduce each gradient tensor: how many there are
+    tensor_bytes: tuple = ()   # and their sizes, in the order backward makes them (empty: all equal)
 
 
 # How each stage communicates. zero: which states are sharded (theory.py's stage); reduce: the
@@ -133,7 +145,9 @@ class Stage:
     overlap: bool = True
     gather: str = ""
     prefetch: bool = False
-    per_tensor: bool = False   # one collective per gradient tensor (01), else per bucket / unit
+    per_tensor: bool = False   # one collective per gradient tensor (01, 02), else per bucket / unit
+    in_flight: int = 0         # at most this many reduces in flight: the next waits for the oldest (0: any)
+    norm_all_reduce: bool = False  # clipping sharded gradients: one scalar all-reduce after backward
 
 
 STAGES = {"dp": Stage(0, "all_reduce"),
@@ -141,12 +155,16 @@ STAGES = {"dp": Stage(0, "all_reduce"),
           "zero2": Stage(2, "reduce_scatter", gather="step"),
           "zero3": Stage(3, "reduce_scatter", gather="units", prefetch=True),
           "zero3-noprefetch": Stage(3, "reduce_scatter", gather="units", prefetch=False)}
-# the lessons themselves, for the calibration on this machine
+# the lessons themselves, for the calibrations on this machine: 01 all-reduces every gradient after
+# backward, 02 each one from its hook (async), 03 by bucket; 04-06 clip over shards (a scalar
+# all-reduce); 05 keeps two reduce-scatters in flight, 06 one (it waits for the last unit's first)
 LESSONS = {"01_vanilla_dp": Stage(0, "all_reduce", overlap=False, per_tensor=True),
+           "02_async_allreduce": Stage(0, "all_reduce", per_tensor=True),
            "03_buckets": STAGES["dp"],
-           "04_zero1": Stage(1, "reduce_scatter", overlap=False, gather="step"),
-           "05_zero2": STAGES["zero2"], "06_zero3": STAGES["zero3"],
-           "06_zero3 --prefetch 0": STAGES["zero3-noprefetch"]}
+           "04_zero1": Stage(1, "reduce_scatter", overlap=False, gather="step", norm_all_reduce=True),
+           "05_zero2": Stage(2, "reduce_scatter", gather="step", in_flight=2, norm_all_reduce=True),
+           "06_zero3": Stage(3, "reduce_scatter", gather="units", prefetch=True, in_flight=1, norm_all_reduce=True),
+           "06_zero3 --prefetch 0": Stage(3, "reduce_scatter", gather="units", in_flight=1, norm_all_reduce=True)}
 STRATEGY = {0: "vanilla_dp", 1: "zero1", 2: "zero2", 3: "zero3"}  # theory.theory_memory's names
 
 
@@ -167,23 +185,55 @@ def recompute_flops_per_token(m, seq, ckpt):
 
 
 # ----------------------------------------------------------------------------- communication
-def ring_time(op, size, n, link):
-    """One ring over n ranks of a tensor of `size` bytes: n - 1 steps (2 (n - 1) for all-reduce),
-    each costing the link's latency, plus RING_FACTOR x size bytes at the bus bandwidth."""
+def ring_parts(op, size, n, link):
+    """One ring over n ranks of a tensor of `size` bytes, as (own, copy, wire) seconds. wire: n - 1
+    steps (2 (n - 1) for all-reduce), each costing the link's latency, plus RING_FACTOR x size
+    bytes at the bus bandwidth. own and copy, where the link carries them (a CPU ring): the
+    transport's work beside the link, and the loopback copy, which runs during the link's time."""
     if n <= 1 or size <= 0:
-        return 0.0
+        return 0.0, 0.0, 0.0
     steps = 2 * (n - 1) if op == "all_reduce" else n - 1
-    return steps * link.latency[op] + RING_FACTOR[op](n) * size / link.busbw[op]
+    wire = steps * link.latency[op] + RING_FACTOR[op](n) * size / link.busbw[op]
+    own, copy = (interpolate((table or {}).get(op), size) for table in (link.own, link.copy))
+    return own, copy, wire
 
 
-def collective_time(op, size, world, cluster):
+def ring_time(op, size, n, link):
+    own, copy, wire = ring_parts(op, size, n, link)
+    return own + max(copy, wire)
+
+
+def interpolate(points, x):
+    """Piecewise linear through measured [(x, y), ...] (sorted by x): the first y below them,
+    the last segment's line beyond them; 0 without points."""
+    if not points:
+        return 0.0
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    (x0, y0), (x1, y1) = next((a, b) for a, b in zip(points, points[1:]) if x <= b[0]) if x <= points[-1][0] \
+        else points[-2:]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def collective_parts(op, size, world, cluster):
     """Two levels, for world = g GPUs per node x m nodes: the op inside each node over the full
     tensor at NVLink speed, then across the m nodes on 1/g of it, the g rails in parallel at NIC
     speed (reduce-scatter: intra then inter; all-gather: inter then intra; all-reduce: both):
         t = ring(op, S, g, intra) + ring(op, S / g, m, inter)
-    NCCL picks rings, trees or NVLS by size and scale; the bytes at the bottleneck are these."""
+    NCCL picks rings, trees or NVLS by size and scale; the bytes at the bottleneck are these.
+    As ring_parts' (own, copy, wire), the two levels one after the other."""
     g = min(world, cluster.gpus_per_node)
-    return ring_time(op, size, g, cluster.intra) + ring_time(op, size / g, world // g, cluster.inter)
+    intra, inter = ring_parts(op, size, g, cluster.intra), ring_parts(op, size / g, world // g, cluster.inter)
+    if not any(inter):
+        return intra
+    if not any(intra):
+        return inter
+    return 0.0, 0.0, ring_time(op, size, g, cluster.intra) + ring_time(op, size / g, world // g, cluster.inter)
+
+
+def collective_time(op, size, world, cluster):
+    own, copy, wire = collective_parts(op, size, world, cluster)
+    return own + max(copy, wire)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -225,15 +275,52 @@ def memory(w, stage, world):
 
 
 # ----------------------------------------------------------------------------- one step
-class Queue:
-    """One communication stream: collectives run one after another, each from its issue time."""
-
-    def __init__(self):
-        self.free = 0.0
-
-    def run(self, issue, duration):
-        self.free = max(self.free, issue) + duration
-        return self.free
+def simulate(program, share=None):
+    """Run one rank's main thread beside its communication thread, which runs collectives one
+    after another in issue order (NCCL's stream; the lessons' ring thread). program: ("compute",
+    s), ("issue", key, own, copy, wire) or ("wait", key). A collective works `own` seconds, then
+    `copy` seconds while it waits `wire` on the link. share: while the compute runs, a
+    collective's work (own, copy) runs at this rate; the compute keeps its pace (None: no sharing).
+    Returns (end, seconds the main thread was blocked in waits)."""
+    t = blocked = 0.0
+    i, left, waiting = 0, None, None    # main: next op, compute left, key it is blocked on
+    queue, cur, done = [], None, {}     # comm: issued, not started; [key, own, copy, wire] running
+    while True:
+        while left is None and waiting is None and i < len(program):
+            op, *a = program[i]
+            i += 1
+            if op == "compute" and a[0] > 0:
+                left = a[0]
+            elif op == "issue":
+                queue.append(list(a))
+            elif op == "wait" and a[0] not in done:
+                waiting = a[0]
+        if cur is None and queue:
+            cur = queue.pop(0)
+        if cur is not None and max(cur[1:]) <= 0:  # done (or free: a world of one)
+            done[cur[0]] = t
+            waiting, cur = None if waiting == cur[0] else waiting, None
+            continue
+        if cur is None and left is None:
+            return t, blocked
+        rate = share if share is not None and left is not None else 1.0  # of the collective's work
+        if cur is None:
+            ends = []
+        elif cur[1] > 0:
+            ends = [cur[1] / rate]
+        else:
+            ends = [x for x in (cur[2] / rate, cur[3]) if x > 0]
+        dt = min([*ends, *([left] if left is not None else [])])
+        t += dt
+        blocked += dt if waiting is not None else 0.0
+        if left is not None:
+            left = None if dt == left else left - dt
+        if cur is not None:
+            if cur[1] > 0:
+                cur[1] = 0.0 if dt == ends[0] else cur[1] - dt * rate
+            else:
+                cur[2] = 0.0 if dt * rate >= cur[2] else cur[2] - dt * rate
+                cur[3] = 0.0 if dt >= cur[3] else cur[3] - dt
 
 
 ADAM_BYTES = {"bf16": 30, "fp32": 28}  # AdamW per parameter it updates: reads weight, grad, 2
@@ -252,78 +339,95 @@ def step(w, stage, world, cluster):
     params = _units(m)  # in forward order; a unit's compute is its share of the FLOPs
     head = 6 * (m.root - m.lookup) / flops_per_token(m, w.seq)  # the root's compute: the head's matmul
     share = [head] + [(1 - head) / m.layers] * m.layers
+    opt = ADAM_BYTES[w.precision] * (m.params / world if stage.zero else m.params) / cluster.gpu.mem_bw
     comm = {op: {"calls": 0, "bytes": 0.0, "s": 0.0} for op in OPS}
+    times = {}  # (op, size) -> (own, copy, wire) s: a big model's DP step has thousands of equal buckets
+    program, pending = [], []  # the main thread's program; reduces not yet waited for, oldest first
 
-    times = {}  # (op, size) -> s: a big model's DP step has thousands of equal buckets
+    def compute(s):
+        program.append(("compute", s))
 
-    def collective(op, size):
+    def issue(op, size):
         if (op, size) not in times:
-            times[op, size] = collective_time(op, size, world, cluster) if world > 1 else 0.0
-        t = times[op, size]
+            times[op, size] = collective_parts(op, size, world, cluster) if world > 1 else (0.0, 0.0, 0.0)
+        own, copy, wire = times[op, size]
         c = comm[op]
-        c["calls"], c["bytes"], c["s"] = c["calls"] + 1, c["bytes"] + size, c["s"] + t
-        return t
+        c["calls"], c["bytes"], c["s"] = c["calls"] + 1, c["bytes"] + size, c["s"] + own + max(copy, wire)
+        program.append(("issue", len(program), *times[op, size]))
+        return program[-1][1]
 
-    queue = Queue()
-    now = 0.0
+    def wait(key):
+        program.append(("wait", key))
+
+    def reduce(size):  # with a cap on the reduces in flight, first wait for the oldest
+        while stage.in_flight and len(pending) >= stage.in_flight:
+            wait(pending.pop(0))
+        pending.append(issue(stage.reduce, size))
+
     # forward: ZeRO-3 gathers each unit first (issued one unit early with prefetch)
     if stage.gather == "units":
-        ready = [None] * len(params)
-        ready[0] = queue.run(0.0, collective("all_gather", params[0] * elem))
+        gathers = {0: issue("all_gather", params[0] * elem)}
         for i in range(len(params)):
-            if ready[i] is None:
-                ready[i] = queue.run(now, collective("all_gather", params[i] * elem))
-            now = max(now, ready[i])
+            if i not in gathers:
+                gathers[i] = issue("all_gather", params[i] * elem)
+            wait(gathers[i])
             if stage.prefetch and i + 1 < len(params):
-                ready[i + 1] = queue.run(now, collective("all_gather", params[i + 1] * elem))
-            now += fwd * share[i]
+                gathers[i + 1] = issue("all_gather", params[i + 1] * elem)
+            compute(fwd * share[i])
     else:
-        now += fwd
+        compute(fwd)
     # backward: ZeRO-3 gathers every unit again, as 06 does (the root first: the head's backward),
     # then the blocks last to first, and reduce-scatters each unit's gradient after its backward
     # (the root's last: the embedding's gradient is complete at the very end); 01-05 reduce
-    # buckets as backward fills them (03, 05), or everything once backward is over (01, 04)
-    backward_start = now
+    # buckets as backward fills them (03, 05), each gradient as it is ready (02), or everything
+    # once backward is over (01, 04)
     if stage.gather == "units":
-        order = [0] + list(range(m.layers, 0, -1))
-        ready = {}
+        order, gathers = [0] + list(range(m.layers, 0, -1)), {}
         for k, i in enumerate(order):
-            if i not in ready:  # no prefetch (or the root, first): gathered when needed
-                ready[i] = queue.run(now, collective("all_gather", params[i] * elem))
-            now = max(now, ready[i])
+            if i not in gathers:  # no prefetch (or the root, first): gathered when needed
+                gathers[i] = issue("all_gather", params[i] * elem)
+            wait(gathers[i])
             if stage.prefetch and k + 1 < len(order):
-                ready[order[k + 1]] = queue.run(now, collective("all_gather", params[order[k + 1]] * elem))
-            now += bwd * share[i]
+                gathers[order[k + 1]] = issue("all_gather", params[order[k + 1]] * elem)
+            compute(bwd * share[i])
             if i:
-                queue.run(now, collective(stage.reduce, params[i] * grad))
-        queue.run(now, collective(stage.reduce, params[0] * grad))
+                reduce(params[i] * grad)
+        reduce(params[0] * grad)
     else:
-        now += bwd
+        total = m.params * grad
         if stage.per_tensor:
-            sizes = [m.params * grad / w.tensors] * w.tensors
+            sizes = list(w.tensor_bytes) or [total / w.tensors] * w.tensors
+        elif stage.overlap and w.bucket_bytes:
+            sizes = list(w.bucket_bytes)
         elif stage.overlap:
+            first = min(total, (w.first_bucket_mb or w.bucket_mb) * 2 ** 20)
             cap = w.bucket_mb * 2 ** 20
-            sizes = [cap] * int(m.params * grad // cap) + [m.params * grad % cap]
+            sizes = [first] + [cap] * int((total - first) // cap) + [(total - first) % cap]
         else:
-            sizes = [m.params * grad]
-        done = 0.0
+            sizes = [total]
+        if not stage.overlap:
+            compute(bwd)
         for size in [s for s in sizes if s > 0]:
-            done += size  # a bucket is full when backward has produced its bytes (uniformly)
-            issue = backward_start + bwd * done / (m.params * grad) if stage.overlap else now
-            queue.run(issue, collective(stage.reduce, size))
-    compute_end = now
-    end = max(now, queue.free)
-    # the optimizer on what this GPU updates, then ZeRO-1/2 gather the updated parameters
-    opt = ADAM_BYTES[w.precision] * (m.params / world if stage.zero else m.params) / cluster.gpu.mem_bw
-    after_step = collective("all_gather", m.params * elem) if stage.gather == "step" else 0.0
+            if stage.overlap:  # a bucket is full when backward has produced its bytes (uniformly)
+                compute(bwd * size / sum(sizes))
+            reduce(size)
+    for key in pending:  # backward ends waiting for every reduce
+        wait(key)
+    # clipping sharded gradients takes one scalar all-reduce for the global norm; the optimizer
+    # on what this GPU updates; then ZeRO-1/2 gather the updated parameters
+    if stage.norm_all_reduce:
+        wait(issue("all_reduce", 4))
+    compute(opt)
+    if stage.gather == "step":
+        wait(issue("all_gather", m.params * elem))
+    end, blocked = simulate(program, cluster.core_share)
     comm_s = sum(c["s"] for c in comm.values())
-    # the queue assumes a collective runs at full speed beside compute; where it does not
+    # the simulation runs a collective at full speed beside compute; where it does not
     # (cluster.overlap < 1: a CPU with no core to spare), only that share of the hiding happens
-    exposed_sim = (end - compute_end) + after_step + max(0.0, compute_end - fwd - bwd)
-    exposed = cluster.overlap * exposed_sim + (1 - cluster.overlap) * comm_s
-    compute = fwd + bwd
-    step_s = compute + opt + exposed
-    return {"stage": stage, "world": world, "compute_s": compute, "forward_s": fwd, "backward_s": bwd,
+    exposed = cluster.overlap * blocked + (1 - cluster.overlap) * comm_s
+    compute_s = fwd + bwd
+    step_s = end - blocked + exposed  # compute, optimizer, exposed
+    return {"stage": stage, "world": world, "compute_s": compute_s, "forward_s": fwd, "backward_s": bwd,
             "optimizer_s": opt, "comm": comm, "comm_s": comm_s, "exposed_s": exposed,
             "hidden_s": max(0.0, comm_s - exposed), "step_s": step_s,
             "tokens_per_s": tokens / step_s,  # per GPU
