@@ -45,16 +45,16 @@ from model import GPT
 class Ring:
     """Ring collectives over point-to-point sends. `sent` counts the bytes this rank sends.
 
-    The same ring carries 01-06's collectives under `--collectives ring` (scripts/perf/ring_collectives.py), so it
-    also takes a process group (its ranks, in their order, form the ring), any length of tensor
-    (the chunks then differ by at most one element: tensor_split), and a simulated link that
-    makes each send cost what it would on a real one (Link, below; None: as fast as it goes)."""
+    The same ring carries 01-06's collectives under `--collectives ring` (scripts/perf/
+    ring_collectives.py), so it also takes a process group of every rank (the transport's own
+    sockets), any length of tensor (the chunks then differ by at most one element:
+    tensor_split), and a simulated link that makes each send cost what it would on a real one
+    (Link, below; None: as fast as it goes)."""
 
     def __init__(self, group=None, link=None):
         self.group, self.link = group, link
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        peer = lambda i: dist.get_global_rank(group, i) if group is not None else i
-        self.right, self.left = peer((self.rank + 1) % self.world_size), peer((self.rank - 1) % self.world_size)
+        self.right, self.left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         self.sent = 0
 
     def _exchange(self, send, recv):

@@ -81,15 +81,16 @@ def test_in_an_existing_group_the_device_follows_its_backend():
 # present in torch 2.6.0, 2.11.0, 2.13.0 and 2.15.0 (dir(torch.distributed) of 2.6, 2.11 and
 # 2.13; distributed_c10d.py and __init__.py of the 2.15 wheel, from `pip download --no-deps`).
 # all_gather_single / reduce_scatter_single are not here: torch 2.11 does not have them.
-# P2POp and batch_isend_irecv (00's grouped exchange) date from torch 1.8, irecv from 1.0.
+# P2POp and batch_isend_irecv (00's grouped exchange) date from torch 1.8, irecv from 1.0; the
+# ring transport's new_group (backend, timeout), group.WORLD and ReduceOp from 1.0.
 SUPPORTED = {"HashStore", "P2POp", "all_gather_into_tensor", "all_gather_object", "all_reduce", "barrier",
              "batch_isend_irecv", "broadcast", "broadcast_object_list", "destroy_process_group", "get_backend",
              "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend", "recv",
-             "reduce_scatter_tensor",
+             "reduce_scatter_tensor", "new_group", "group", "ReduceOp",
              "distributed_c10d._get_default_store", "distributed_c10d._abort_process_group"}
 FILES = ["00_collectives", "01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3",
          "bucket", "checkpoint", "comm_meter", "common", "lifecycle", "measure", "memory_ledger", "model",
-         "optimizers", "theory"]
+         "optimizers", "theory", "scripts/perf/ring_collectives"]
 
 
 def test_lessons_use_only_collectives_every_supported_torch_has():
