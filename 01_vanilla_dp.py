@@ -5,13 +5,19 @@ slice of the global batch, and then averages the gradients across ranks, one blo
 all-reduce per parameter. After that every rank holds the gradient of the global batch and
 takes the same optimizer step, so the replicas never drift apart.
 
-Used like PyTorch's `DistributedDataParallel`: wrap the model, build any torch.optim optimizer
-over `model.parameters()`, and the loop stays the one written for DDP. The all-reduce runs at
-the end of `loss.backward()`, as DDP's does; `with model.no_sync():` skips it for the micro-steps
-of gradient accumulation (DDP's `require_backward_grad_sync` is the flag behind it). In bf16,
-micro-steps' gradients add up in fp32, never in bf16: ddp.Replicated keeps their fp32 sum, and
-p.grad holds it rounded once, which is what the all-reduce moves (a bf16 running sum keeps 8
-significant bits: a small micro-step's gradient can vanish in it whole).
+The training loop calls that itself, on the page, after the step's last `loss.backward()`:
+
+    for micro in range(K): (model(x, y) / K).backward()    # gradients accumulate in .grad
+    model.all_reduce_gradients()                           # now every rank has the global mean
+    optimizer.step()
+
+Wrap the model, build any torch.optim optimizer over
+`model.parameters()`; a loop written for PyTorch's `DistributedDataParallel` needs that one line
+more. 02 moves the call inside `loss.backward()`, as DDP does (hooks, the end-of-backward
+callback, `no_sync()`). In bf16, micro-steps' gradients add up in fp32, never in bf16:
+ddp.Replicas keeps their fp32 sum, and p.grad holds it rounded once, which is what the
+all-reduce moves (a bf16 running sum keeps 8 significant bits: a small micro-step's gradient
+can vanish in it whole).
 
     python 01_vanilla_dp.py                                  # one process (world size 1)
     torchrun --nproc_per_node=2 01_vanilla_dp.py             # 2 ranks on CPU (gloo)
@@ -35,20 +41,12 @@ from model import get_batch
 
 
 # ----------------------------------------------------------------------------- the strategy
-class VanillaDP(ddp.Replicated):
-    """Replicate `module`; at the end of every backward, `all_reduce_gradients()` averages every
-    gradient. Shaped like `DistributedDataParallel(module)` (ddp.Replicated: `.module`,
-    `no_sync()`, `require_backward_grad_sync`)."""
+class VanillaDP(ddp.Replicas):
+    """Replicate `module` (ddp.Replicas: `.module`, rank 0's weights broadcast, calling it runs the
+    module); `all_reduce_gradients()`, called after backward, averages every gradient."""
 
     def __init__(self, module: nn.Module, find_unused_parameters: bool = False):
-        super().__init__(module, find_unused_parameters)  # (ddp.Replicated says what the flag does)
-        # "After backward", without a call in the loop: a backward's first gradient queues
-        # all_reduce_gradients to run once that backward is over, inside loss.backward(), as
-        # DDP does (not in a no_sync() backward, which only accumulates).
-        for p in module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(
-                    lambda p: self.at_end_of_backward(self.all_reduce_gradients))
+        super().__init__(module, find_unused_parameters)  # (ddp.Replicas says what the flag does)
 
     @torch.no_grad()
     def all_reduce_gradients(self):
@@ -77,6 +75,7 @@ class VanillaDP(ddp.Replicated):
             p.grad.div_(self.world_size)
             dist.all_reduce(p.grad)  # blocking: communication starts only after backward ends
         # ### END SOLUTION
+        self.grad_accumulation.reset()  # these gradients are the step's: the next backward starts anew
 
 
 # ----------------------------------------------------------------------------- training
@@ -97,12 +96,10 @@ def main(argv=None):
         with run.step(step) as losses:
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
-                # Only the last micro-step's backward averages (nanoGPT toggles DDP's flag the
-                # same way rather than wrap the other micro-steps in `with model.no_sync():`).
-                model.require_backward_grad_sync = micro == args.grad_accum - 1
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
-                loss.backward()  # ... and, at the last micro-step, all_reduce_gradients() at its end
+                loss.backward()
                 losses.append(loss)
+            model.all_reduce_gradients()  # after backward: every rank now holds the global-batch mean
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()
             optimizer.zero_grad()

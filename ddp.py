@@ -1,7 +1,7 @@
-"""DistributedDataParallel's shape, which 01-03 share so that a loop written for DDP runs them
-unchanged (Replicated), the end-of-backward callback DDP's reducer finishes its all-reduces
-with (at_end_of_backward; 05's reduce-scatters too), and the fp32 sum of bf16 micro-step
-gradients that 01-04 accumulate into (FP32Accumulation). The collectives here are bookkeeping: the
+"""DistributedDataParallel's shape, which 02 and 03 share so that a loop written for DDP runs
+them unchanged (Replicated; 01 takes only its base, Replicas), the end-of-backward callback
+DDP's reducer finishes its all-reduces with (at_end_of_backward; 05's reduce-scatters too), and
+the fp32 sum of bf16 micro-step gradients that 01-04 accumulate into (FP32Accumulation). The collectives here are bookkeeping: the
 broadcast of rank 0's weights when a strategy is built, and find_unused_parameters' flags.
 """
 import contextlib
@@ -14,10 +14,10 @@ import torch.nn as nn
 from optimizers import UsedParameters
 
 
-class Replicated(nn.Module):
-    """DistributedDataParallel's interface: `.module`, rank 0's weights broadcast when built,
-    calling it runs the module, `require_backward_grad_sync` and `no_sync()` (gradient
-    accumulation), and at_end_of_backward(fn) (below), skipped in a no_sync() backward.
+class Replicas(nn.Module):
+    """What every replicated strategy (01-03) needs: `.module`, rank 0's weights broadcast when
+    built, calling it runs the module, find_unused_parameters' flags, and the fp32 sum of bf16
+    micro-step gradients (grad_accumulation; reset() once the gradients are synchronized).
 
     find_unused_parameters  as DDP's. A parameter some rank's forward skipped (an MoE expert that
         got no tokens there) has no gradient on that rank: it still takes part in the collective,
@@ -29,7 +29,6 @@ class Replicated(nn.Module):
     def __init__(self, module, find_unused_parameters=False):
         super().__init__()
         self.module = module
-        self.require_backward_grad_sync = True
         self.world_size = dist.get_world_size()
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.used = UsedParameters(trainable, trainable[0].device) if find_unused_parameters and trainable else None
@@ -44,6 +43,26 @@ class Replicated(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def unused_everywhere(self, with_grad_here):
+        """find_unused_parameters=True: the trainable parameters that have a gradient on no rank,
+        given those that have one on this rank (one all-reduce of a flag per parameter; every rank
+        must call it at the same point of its collectives). False: none, and no collective."""
+        if self.used is None:
+            return set()
+        for p in with_grad_here:
+            self.used.mark(p)
+        return self.used.unused()
+
+
+class Replicated(Replicas):
+    """DistributedDataParallel's interface (02, 03): Replicas, and synchronization inside
+    loss.backward() itself: `require_backward_grad_sync` and `no_sync()` (gradient accumulation),
+    and at_end_of_backward(fn) (below), skipped in a no_sync() backward."""
+
+    def __init__(self, module, find_unused_parameters=False):
+        super().__init__(module, find_unused_parameters)
+        self.require_backward_grad_sync = True
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -60,16 +79,6 @@ class Replicated(nn.Module):
             # the gradients this backward synchronizes are the optimizer step's: the next
             # backward starts a new sum
             at_end_of_backward(self.grad_accumulation, self.grad_accumulation.reset)
-
-    def unused_everywhere(self, with_grad_here):
-        """find_unused_parameters=True: the trainable parameters that have a gradient on no rank,
-        given those that have one on this rank (one all-reduce of a flag per parameter; every rank
-        must call it at the same point of its collectives). False: none, and no collective."""
-        if self.used is None:
-            return set()
-        for p in with_grad_here:
-            self.used.mark(p)
-        return self.used.unused()
 
 
 def at_end_of_backward(owner, fn):

@@ -36,13 +36,15 @@ class _Replicated:
                 loss = self.wrapper(x, y) / len(micro_batches)
                 loss.backward()
             total += loss.item()
+        if hasattr(self.wrapper, "all_reduce_gradients"):  # 01: the loop calls it after backward
+            self.wrapper.all_reduce_gradients()
         self.opt.step()
         self.opt.zero_grad()
         return total
 
     def _sync_context(self, last):
-        # DDP's way, which 01-03 share: every micro-step but the last in no_sync()
-        return contextlib.nullcontext() if last else self.wrapper.no_sync()
+        # DDP's way, which 02 and 03 share: every micro-step but the last in no_sync() (01 has none)
+        return contextlib.nullcontext() if last or not hasattr(self.wrapper, "no_sync") else self.wrapper.no_sync()
 
     def full_parameters(self):
         return _named_full(self.module)
@@ -87,7 +89,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
                                                   find_unused_parameters=kw.get("find_unused", False))
         return _Replicated(ddp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
     if lesson == "01":
-        dp = load_lesson("01_vanilla_dp").VanillaDP(module, find_unused_parameters=kw.get("find_unused", False))  # averages at the end of backward, as DDP
+        dp = load_lesson("01_vanilla_dp").VanillaDP(module, find_unused_parameters=kw.get("find_unused", False))  # averages when called
         return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
     if lesson == "02":
         dp = load_lesson("02_async_allreduce").AsyncAllReduceDP(module, find_unused_parameters=kw.get("find_unused", False))

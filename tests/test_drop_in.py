@@ -36,16 +36,19 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
               "adamw": (torch.optim.AdamW, dict(lr=ADAM_LR, betas=(0.9, 0.95), weight_decay=0.1))}
 
 
-def user_loop(model, opt, batches, zero_grad_to_none=True, scheduler=None, round_trip=None):
+def user_loop(model, opt, batches, zero_grad_to_none=True, scheduler=None, round_trip=None, vanilla=False):
     """The loop, as written for DDP (+ ZeroRedundancyOptimizer). Returns the parameters after
-    every step. round_trip(model, opt) -> (model, opt): a restored copy of both, after step 1."""
+    every step. round_trip(model, opt) -> (model, opt): a restored copy of both, after step 1.
+    vanilla: 01's one line more, model.all_reduce_gradients() after backward (and no no_sync())."""
     after = []
     for step, micro_batches in enumerate(batches):
         for i, (x, y) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else model.no_sync():
+            with contextlib.nullcontext() if last or vanilla else model.no_sync():
                 loss = model(x, y) / len(micro_batches)
                 loss.backward()
+        if vanilla:
+            model.all_reduce_gradients()
         opt.step()
         if scheduler is not None:
             scheduler.step()
@@ -76,7 +79,8 @@ def replicated_runs():
             for to_none in (True, False):
                 model = wrap(copy.deepcopy(gpt))
                 opt = cls(model.parameters(), **kw)  # the user's optimizer, over the wrapper's parameters
-                out[name, opt_name, to_none] = user_loop(model, opt, batches, zero_grad_to_none=to_none)
+                out[name, opt_name, to_none] = user_loop(model, opt, batches, zero_grad_to_none=to_none,
+                                                         vanilla=name == "01")
     return out
 
 
