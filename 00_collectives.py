@@ -76,7 +76,7 @@ class Ring:
 
     def _reduce_scatter(self, chunks, incoming=None):
         """In place: afterwards chunks[r] holds chunk r summed over all ranks. Each arriving chunk
-        lands in `incoming` first: a new buffer, or one the caller keeps (scripts/perf/ring_collectives.py does)."""
+        lands in `incoming` first: a new buffer, or one the caller keeps (the ring transport does)."""
         n, r = self.world_size, self.rank
         if incoming is None:
             incoming = torch.empty_like(chunks[0])  # the largest chunk (tensor_split: the first)

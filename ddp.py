@@ -1,8 +1,9 @@
 """DistributedDataParallel's shape, which 02 and 03 share so that a loop written for DDP runs
 them unchanged (Replicated; 01 takes only its base, Replicas), the end-of-backward callback
 DDP's reducer finishes its all-reduces with (at_end_of_backward; 05's reduce-scatters too), and
-the fp32 sum of bf16 micro-step gradients that 01-04 accumulate into (FP32Accumulation). The collectives here are bookkeeping: the
-broadcast of rank 0's weights when a strategy is built, and find_unused_parameters' flags.
+the fp32 sum of bf16 micro-step gradients that 01-04 accumulate into (FP32Accumulation). The
+collectives here are bookkeeping: the broadcast of rank 0's weights when a strategy is built,
+and find_unused_parameters' flags.
 """
 import contextlib
 import functools
