@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from scripts.perf import gpu_check
 from scripts.runs import LESSONS
@@ -22,8 +23,9 @@ def report(losses):
 
 
 class FakeLaunch:
-    """scripts.runs.launch as gpu_check calls it, answering from `losses` ({lesson: losses},
-    "resumed": 06's losses after the resume), `ring` (00's per-rank results, or an exception)."""
+    """scripts.runs.launch as gpu_check calls it, answering from `losses` ({lesson: losses} or
+    {"lesson precision": losses}, "resumed": 06's losses after the resume, "1 GPU": the one-GPU
+    reference's), `ring` (00's per-rank results, or an exception)."""
 
     def __init__(self, losses=None, ring=None, fail=None):
         self.losses, self.ring, self.fail, self.calls = losses or {}, ring, fail, []
@@ -35,10 +37,13 @@ class FakeLaunch:
             raise RuntimeError(f"python -m torch.distributed.run {script} exited 1:\nstep 0/4 | loss 4.0\n"
                                "error (rank 1): CUDA error: an illegal memory access was encountered\n"
                                "Traceback (most recent call last):\n  ...ChildFailedError")
+        precision = args[args.index("--precision") + 1] if "--precision" in args else "fp32"
+        losses = lambda name: self.losses.get(f"{name} {precision}", self.losses.get(name, REF))
         if script == "scripts.perf.sweep":
             worlds = args[args.index("--worlds") + 1:args.index("--lessons")]
-            return {"worlds": {w: {"reports": {name: report(self.losses.get(name, REF)) for name in LESSONS}}
-                               for w in worlds}}
+            return {"worlds": {w: {"reports": {name: report(losses(name)) for name in LESSONS}} for w in worlds}}
+        if script == "01_vanilla_dp" and args[args.index("--device") + 1] == "cuda":
+            return {"losses": losses("1 GPU")}
         if script == "00_collectives":
             if isinstance(self.ring, Exception):
                 raise self.ring
@@ -51,12 +56,14 @@ class FakeLaunch:
         return {"losses": REF}  # 01 on the CPU (the reference) and 06 uninterrupted
 
 
-def gpu_check_exit(monkeypatch, tmp_path, fake, gpus=None):
-    """gpu_check's main() with `fake` for every launch (and `gpus` GPUs, if given): its exit code."""
+def gpu_check_exit(monkeypatch, tmp_path, fake, gpus=None, device="cpu"):
+    """gpu_check's main() with `fake` for every launch (and `gpus` GPUs, if given; `device` "cuda"
+    takes the GPU path with them, faked): its exit code."""
     monkeypatch.setattr(gpu_check, "launch", fake)
     if gpus is not None:
         monkeypatch.setattr(gpu_check, "machine", lambda device: (gpus, f"{gpus} x a faked GPU"))
-    monkeypatch.setattr(sys, "argv", ["gpu_check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--device", device, "--quick", "--out", str(tmp_path)])
     return gpu_check.main()
 
 
@@ -76,6 +83,23 @@ def test_a_nan_or_infinite_loss_at_any_step_fails(monkeypatch, tmp_path, capsys,
     losses[step] = bad
     assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch({"04_zero1": losses})) == 1
     assert f"04_zero1 world 2 fp32 against the CPU: loss {bad} against {REF[step]} at step {step}" in capsys.readouterr().out
+
+
+def test_bf16_is_checked_against_one_gpu_as_the_cpu_cannot_tell(monkeypatch, tmp_path, capsys):
+    # As measured on an H100: every bf16 run 2.7e-2 from the CPU's bf16 (the devices round at other
+    # points; bf16 is 3.4e-2 from fp32 there), 1.1e-3 at most from the GPU's own one-process run.
+    # That passes; a lesson 8e-3 from the one-GPU run (a bug's size) fails, though the CPU's bound
+    # (garbage only) lets it by.
+    gpu = [x + 2.7e-2 for x in REF]
+    runs = {f"{name} bf16": gpu for name in LESSONS} | {"1 GPU bf16": gpu, "03_buckets bf16": [x + 1.1e-3 for x in gpu]}
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(runs), gpus=2, device="cuda") == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 03_buckets | 2 | bf16 | 3.7281 | 2.8e-02 | 1.1e-03 |" in out
+    runs["04_zero1 bf16"] = [x + 8e-3 for x in gpu]
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(runs), gpus=2, device="cuda") == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "gpu-check: FAILED: 04_zero1 world 1 bf16 against 1 GPU: 8.0e-03 apart (tolerance 0.005); "
+        "04_zero1 world 2 bf16 against 1 GPU: 8.0e-03 apart (tolerance 0.005)")
 
 
 def test_a_nan_in_the_resumed_run_fails(monkeypatch, tmp_path, capsys):
