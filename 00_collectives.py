@@ -35,9 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import common
-import lifecycle
-from comm_meter import bytes_written
+from lessonkit import comm_meter, common, lifecycle
 from model import GPT
 
 
@@ -157,9 +155,9 @@ class Link:
 def measured(fn):
     """fn() with the bytes this process wrote on the wire while it ran (None off Linux), and its seconds."""
     dist.barrier()
-    before, start = bytes_written(), time.perf_counter()
+    before, start = comm_meter.bytes_written(), time.perf_counter()
     out = fn()
-    seconds, after = time.perf_counter() - start, bytes_written()
+    seconds, after = time.perf_counter() - start, comm_meter.bytes_written()
     return out, None if before is None else after - before, seconds
 
 

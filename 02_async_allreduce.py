@@ -20,12 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import checkpoint
-import common
-import ddp
-import lifecycle
-import measure
-import optimizers
+from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
 from model import get_batch
 
 

@@ -25,12 +25,7 @@ import functools
 import torch.distributed as dist
 import torch.nn as nn
 
-import checkpoint
-import common
-import ddp
-import lifecycle
-import measure
-import optimizers
+from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
 from bucket import BucketManager
 from model import get_batch
 

@@ -28,12 +28,7 @@ import math
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import common
-import ddp
-import lifecycle
-import measure
-import optimizers
+from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
 from model import get_batch
 
 
@@ -53,7 +48,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
 
     `param_groups` are the inner optimizer's, so torch.optim.lr_scheduler schedules it;
     `state_dict()` / `load_state_dict()` are the inner optimizer's too: this rank's shard only
-    (checkpoint.py saves and resumes the whole run, at any world size). Rank 0's parameters are
+    (lessonkit/checkpoint.py saves and resumes the whole run, at any world size). Rank 0's parameters are
     broadcast here, so ranks may start from different weights. Call `step()` once per optimizer
     step, after the last micro-step's backward, then `zero_grad()`.
 
@@ -183,7 +178,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
 
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoint_shards(optimizer, names):
-    """For checkpoint.py: what a ZeRO1Optimizer holds, one flat buffer."""
+    """For lessonkit/checkpoint.py: what a ZeRO1Optimizer holds, one flat buffer."""
     return checkpoint.flat_buffer_shards(names, optimizer.params, optimizer.flat_param, optimizer.pieces,
                                          optimizer.optim)
 

@@ -43,12 +43,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import common
-import ddp
-import lifecycle
-import measure
-import optimizers
+from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
 from bucket import BucketManager
 from model import get_batch
 
@@ -222,7 +217,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
 
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoint_shards(optimizer, names):
-    """For checkpoint.py: what a ZeRO2Optimizer holds, per bucket as 04 for its one buffer."""
+    """For lessonkit/checkpoint.py: what a ZeRO2Optimizer holds, per bucket as 04 for its one buffer."""
     return [shard for bucket, flat_param, pieces in zip(optimizer.grad_buckets.buckets, optimizer.flat_params,
                                                          optimizer.pieces)
             for shard in checkpoint.flat_buffer_shards(names, bucket.params, flat_param, pieces, optimizer.optim)]

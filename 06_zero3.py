@@ -44,11 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP2's own (param_dtype, reduce_dtype)
 
-import checkpoint
-import common
-import lifecycle
-import measure
-import optimizers
+from lessonkit import checkpoint, common, lifecycle, measure, optimizers
 from model import GPT, get_batch, init_parameters
 
 

@@ -191,8 +191,7 @@ class PeakAlive(TorchDispatchMode):
 def reference(argv, steps=None):
     """Single-process training on the whole global batch (no accumulation, no distribution):
     what every lesson must reproduce. Uses the same flags, model, data and optimizer."""
-    import common
-    import optimizers
+    from lessonkit import common, optimizers
     from model import global_batch
     args = common.parse_args(argv)
     # bf16: fp32 master weights from the fp32 initial weights, as every lesson (common.build_model)
@@ -215,7 +214,7 @@ def reference(argv, steps=None):
 def gpt_train(lesson, argv):
     """In a spawned rank: train the GPT of `argv` through the tests' adapter (tests/lessons.py),
     e.g. PyTorch's DDP on exactly the configuration a lesson's main() runs."""
-    import common
+    from lessonkit import common
     from model import get_batch
     args = common.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -264,7 +263,7 @@ def toy_grads(lesson, **kw):
 
 def toy_reference_grads(steps=4, lr=1e-2):
     """The whole-batch gradient at every step of toy.toy_reference()."""
-    import optimizers
+    from lessonkit import optimizers
     from lessons import adamw
     from toy import make_toy, toy_batch
     model = make_toy(seed=0)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import optimizers
+from lessonkit import optimizers
 from graded import load_lesson
 
 

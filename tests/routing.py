@@ -114,7 +114,7 @@ def routed_reference(world, grad_accum=1, steps=4, lr=1e-2, model_kw=None, find_
     """Single process, the whole batch with the routing of `world` x `grad_accum` chunks. With
     find_unused=False, as a strategy without find_unused_parameters: a parameter no row used
     counts as used, with a zero gradient (AdamW then moves it, by its moments)."""
-    import optimizers
+    from lessonkit import optimizers
     from lessons import adamw
     model = make_routed(**(model_kw or {}))
     opt = optimizers.MixedPrecisionAdamW(model.parameters(), **adamw(lr))

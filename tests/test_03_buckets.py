@@ -3,13 +3,13 @@ caps that make one bucket, two, and one per parameter tensor."""
 import pytest
 import torch.distributed as dist
 
-import common
+from lessonkit import common
 import harness
 from harness import (REPLICATED_GPT, REPLICATED_TOY, all_close, bf16_close, comm_ops, gpt_train, launches, recording,
                      reference, replicated_bf16_memory, replicated_runs, run_lesson, sent_bytes, theory_bytes,
                      toy_reference_grads)
 from lessons import build
-from comm_meter import CommMeter
+from lessonkit.comm_meter import CommMeter
 from model import GPT
 from tolerances import GRAD_TOL, TOL
 from toy import make_toy, toy_reference, toy_train

@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-import common
-import optimizers
+from lessonkit import common, optimizers
 
 from harness import comm_ops, gpt_train, held, launches, memory_theory, run_lesson, sent_bytes, theory_bytes
 from lessons import build

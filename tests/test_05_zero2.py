@@ -4,7 +4,7 @@ paper. Tolerances: tests/zero_parity.py."""
 
 import pytest
 
-import common
+from lessonkit import common
 from graded import load_lesson
 from harness import comm_ops, gpt_train, held, launches, memory_theory, run_lesson, sent_bytes, theory_bytes
 from lessons import build

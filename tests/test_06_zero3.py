@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import common
+from lessonkit import common
 import harness
 from graded import load_lesson
 from harness import all_close, gpt_train, held, launches, reference, run_lesson, sent_bytes, theory_bytes

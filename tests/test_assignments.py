@@ -138,7 +138,7 @@ def test_edition_is_stripped_and_idempotent(edition, tmp_path):
     assert not any(p.startswith(os.path.join("docs", "diffs")) for p in first)  # they hold the solutions
     assert "tests/test_assignments.py" not in first  # holds ROOT's solutions to passing
     assert "scripts/course/recipes.toml" not in first  # its text is in the edition's TODOs already
-    assert "ASSIGNMENT.md" in first and "tests/harness.py" in first and "common.py" in first
+    assert "ASSIGNMENT.md" in first and "tests/harness.py" in first and "lessonkit/common.py" in first
     assert se.main([edition]) == 0  # again, in place: nothing changes
     assert graded.tree(edition) == first
     again = str(tmp_path / "again")

@@ -13,7 +13,7 @@ from harness import ROOT
 from scripts.learn import at_scale
 from scripts.learn.cost_model import (CLUSTERS, LESSONS, MODELS, OPS, STAGES, GPU, Cluster, Link, Workload,
                                       collective_time, gpt, ring_time, step)
-from theory import theory_ring_bytes
+from lessonkit.theory import theory_ring_bytes
 
 # powers of two: every product and quotient below is exact in floating point
 LINK = Link({op: 2.0 ** 30 for op in OPS}, {op: 2.0 ** -20 for op in OPS})
@@ -46,7 +46,7 @@ def test_bytes_per_step_are_the_zero_papers(stage):
     # what the stages send per rank: 2 Psi (N-1)/N (DP, ZeRO-1/2), 3 Psi (N-1)/N (ZeRO-3), section 7
     w, n = Workload(MODELS["llama3-8b"], 1, 4096), 64
     r = step(w, STAGES[stage], n, CLUSTERS["h100"])
-    from theory import RING_FACTOR
+    from lessonkit.theory import RING_FACTOR
     sent = sum(RING_FACTOR[op](n) * c["bytes"] for op, c in r["comm"].items())
     strategy = {"dp": "vanilla_dp", "zero1": "zero1", "zero2": "zero2"}.get(stage, "zero3")
     assert sent == pytest.approx(theory_ring_bytes(strategy, w.model.params, n, "bf16"), rel=1e-12)

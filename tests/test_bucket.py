@@ -66,7 +66,7 @@ def test_a_smaller_first_bucket_then_the_cap():
 
 def bucket_bytes_of_03_on_the_default_gpt():
     """In a spawned rank: the bucket sizes 03's main() gets on the lessons' default GPT."""
-    import common
+    from lessonkit import common
     args = common.parse_args([])
     model = common.GPT(common.model_config(args), seed=None)
     return [b.nbytes() for b in load_lesson("03_buckets").BucketedDP(model).buckets.buckets], \

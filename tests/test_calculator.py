@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-import theory
+from lessonkit import theory
 from harness import ROOT
 from scripts.learn import zero_calc
 

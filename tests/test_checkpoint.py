@@ -16,10 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import common
-import optimizers
-import reshard
+from lessonkit import checkpoint, common, optimizers, reshard
 from graded import lesson_file, load_lesson
 from harness import ROOT, reference, run_lesson, spawn
 from lessons import build

@@ -62,7 +62,7 @@ def test_batch_not_divisible_by_world_size_under_torchrun():
 
 
 def test_help_keeps_the_launch_commands_and_explains_every_flag():
-    import common
+    from lessonkit import common
     doc = "Lesson: one line.\n\n    torchrun --nproc_per_node=2 x.py        # 2 ranks\n    python x.py     # one\n"
     parser = common.build_parser(doc)
     text = parser.format_help()

@@ -20,9 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-import common
+from lessonkit import common
 from model import get_batch
-import optimizers
+from lessonkit import optimizers
 from graded import load_lesson
 from harness import once, spawn
 from lessons import zero3_full_parameters
@@ -350,7 +350,7 @@ def test_bf16_master_weights_start_from_the_fp32_initial_weights(tmp_path):
     # fp32 masters; after one step at lr 1e-30 they are the initial ones moved by at most
     # ~1e-30 (AdamW steps about lr), far below bf16's rounding (~1e-3 of a weight of 0.02) that
     # masters made from the bf16 copy would show.
-    import checkpoint
+    from lessonkit import checkpoint
     from scripts.learn.consolidate import consolidate
     spawn(2, bf16_first_step_saved, str(tmp_path))
     args = common.parse_args(SCHEDULED)

@@ -2,6 +2,7 @@
 count faked), the torch API the lessons use on every supported version, measurement that says
 "unavailable" rather than a CPU-clock number on NCCL, the data path, checkpoints read to the CPU,
 bf16 gradient accumulation in fp32 (05, 06), and `scripts/perf/gpu_check.py` end to end on gloo."""
+import glob
 import json
 import os
 import re
@@ -12,10 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import common
+from lessonkit import common
 from model import get_batch, global_batch
-import optimizers
-import comm_meter
+from lessonkit import comm_meter, optimizers
 from graded import lesson_file, load_lesson
 from harness import ROOT, spawn
 from scripts.perf.timelines import gpu_overlap, timeline
@@ -88,9 +88,8 @@ SUPPORTED = {"HashStore", "P2POp", "all_gather_into_tensor", "all_gather_object"
              "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend", "recv",
              "reduce_scatter_tensor", "new_group", "group", "ReduceOp",
              "distributed_c10d._get_default_store", "distributed_c10d._abort_process_group"}
-FILES = ["00_collectives", "01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3",
-         "bucket", "checkpoint", "comm_meter", "common", "lifecycle", "measure", "memory_ledger", "model",
-         "optimizers", "theory", "scripts/perf/ring_collectives"]
+FILES = [os.path.relpath(p, ROOT)[:-3] for p in sorted(glob.glob(os.path.join(ROOT, "*.py")))
+         + sorted(glob.glob(os.path.join(ROOT, "lessonkit", "*.py")))] + ["scripts/perf/ring_collectives"]
 
 
 def test_lessons_use_only_collectives_every_supported_torch_has():
@@ -167,7 +166,7 @@ def test_checkpoint_files_are_read_to_the_cpu(tmp_path, monkeypatch):
                            "--d-model", "32", "--seq-len", "16", "--peak-params", "0"],
                           cwd=ROOT, env=ENV, text=True, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    import checkpoint
+    from lessonkit import checkpoint
     seen, load = [], torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k.get("map_location")) or load(*a, **k))
     checkpoint.read(checkpoint.latest(str(tmp_path)))

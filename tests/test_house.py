@@ -2,9 +2,10 @@
 they serve, each one small enough to read at once, and the README's layout names every one of them.
 
 Lesson code is what a student reads to learn the idea: 00-06, bucket.py (03's and 05's buckets,
-with solution regions of its own) and model.py (the GPT they all train, and its data). Support
-is every other module at the root: set-up, measurement, checkpoints, robustness, the shared
-optimizer side.
+with solution regions of its own) and model.py (the GPT they all train, and its data), and they
+are all the root holds besides the folders and the README (issue 27). Support is the package
+lessonkit/, one folder down: set-up, measurement, checkpoints, robustness, the shared optimizer
+side.
 """
 import glob
 import os
@@ -20,9 +21,16 @@ def lines(path):
 
 
 def modules():
-    paths = sorted(glob.glob(os.path.join(ROOT, "*.py")))
-    lesson = [p for p in paths if os.path.basename(p)[:2].isdigit() or os.path.basename(p) in ("bucket.py", "model.py")]
-    return lesson, [p for p in paths if p not in lesson]
+    """(the lesson code: every .py at the root, the support: lessonkit/*.py)"""
+    return sorted(glob.glob(os.path.join(ROOT, "*.py"))), sorted(glob.glob(os.path.join(ROOT, "lessonkit", "*.py")))
+
+
+def test_the_root_is_the_reading_path():
+    names = {os.path.basename(p) for p in modules()[0]}
+    assert all(n[:2].isdigit() or n in ("bucket.py", "model.py") for n in names), sorted(names)
+    top = {p for p in os.listdir(ROOT) if not p.startswith(".") and p not in names and p not in ("runs", "__pycache__")}
+    assert top <= {"Makefile", "README.md", "requirements.txt",
+                   "lessonkit", "notebooks", "tests", "docs", "scripts"}, sorted(top)
 
 
 def test_support_is_smaller_than_the_lessons():
@@ -40,5 +48,6 @@ def test_the_readme_layout_names_every_module():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     layout = readme[readme.index("Layout:"):]
-    missing = [os.path.basename(p) for p in modules()[1] if f"`{os.path.basename(p)}`" not in layout]
+    missing = [os.path.basename(p) for p in modules()[1] if not p.endswith("__init__.py")
+               and f"{os.path.basename(p)}`" not in layout]
     assert not missing, missing

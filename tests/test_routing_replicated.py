@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import optimizers
+from lessonkit import optimizers
 from harness import spawn
 from lessons import adamw, build
 from tolerances import TOL
@@ -126,7 +126,7 @@ def test_a_backward_that_raised_does_not_stop_the_end_of_backward_callback():
     # resets at the next forward). A flag cleared by the callback would stay set: never again.
     import types
 
-    import ddp
+    from lessonkit import ddp
     owner, calls = types.SimpleNamespace(), []
     w, v = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
     w.register_post_accumulate_grad_hook(lambda p: ddp.at_end_of_backward(owner, lambda: calls.append(1)))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm_meter import CommMeter
+from lessonkit.comm_meter import CommMeter
 from graded import load_lesson
 from harness import launches, run_lesson
 from lessons import build

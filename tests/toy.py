@@ -63,7 +63,7 @@ def train_my_rows(trainer, batch, steps, grad_accum):
 
 def toy_reference(steps=4, grad_clip=0.0, lr=1e-2, weight_decay=0.0, **_):
     """Single process, whole batch, the same optimizer: the answer every lesson must give."""
-    import optimizers
+    from lessonkit import optimizers
     from lessons import adamw
     model = make_toy(seed=0)
     opt = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, weight_decay), grad_clip, **adamw(lr))

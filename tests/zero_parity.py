@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-import common
+from lessonkit import common
 from harness import reference
 from tolerances import ADAM_REACH, TOL
 from toy import toy_reference, toy_sgd_reference

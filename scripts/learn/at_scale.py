@@ -23,7 +23,7 @@ from dataclasses import replace
 from scripts.learn.cost_model import (CLUSTERS, GPU, LESSONS, MODELS, OPS, STAGES, Cluster, Link, Workload,
                                       collective_time, flops_per_token, gpt, llama, step)
 from scripts.learn.zero_calc import count, parse_count
-from theory import RING_FACTOR
+from lessonkit.theory import RING_FACTOR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "runs", "at_scale")
@@ -529,7 +529,7 @@ def main(argv=None):
     p.add_argument("--gpus-per-node", type=positive(int), help="override the cluster preset")
     a = p.parse_args(argv)
     if a.probe_transport:  # (lifecycle: a clean exit with the ring's thread still alive)
-        import lifecycle
+        from lessonkit import lifecycle
         lifecycle.run_main(lambda: write_probe(a.report, a.probe_transport))
     if a.link and not a.calibrate:
         p.error("--link goes with --calibrate: the lessons on a simulated link, against the model")

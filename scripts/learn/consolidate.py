@@ -16,8 +16,7 @@ import sys
 
 import torch
 
-import checkpoint
-import reshard
+from lessonkit import checkpoint, reshard
 
 
 def consolidate(path):

@@ -13,7 +13,7 @@ is the command line, calibrates it on this machine and checks it against publish
 """
 from dataclasses import dataclass
 
-from theory import RING_FACTOR, theory_memory
+from lessonkit.theory import RING_FACTOR, theory_memory
 
 # ----------------------------------------------------------------------------- inputs
 OPS = ("all_reduce", "reduce_scatter", "all_gather")

@@ -45,10 +45,9 @@ import torch
 import torch.distributed as dist
 
 from scripts.perf import ring_collectives
-import common
-import lifecycle
-from comm_meter import bytes_written
-from theory import RING_FACTOR
+from lessonkit import common, lifecycle
+from lessonkit.comm_meter import bytes_written
+from lessonkit.theory import RING_FACTOR
 
 KIB = 2 ** 10
 SIZES = [KIB * 4 ** i for i in range(9)]         # 1 KiB, 4 KiB, ..., 64 MiB

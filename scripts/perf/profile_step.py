@@ -55,7 +55,7 @@ def load(name):
 def profile(a, lesson_argv):
     import torch.distributed as dist
 
-    import measure
+    from lessonkit import measure
     module, extra = load(a.lesson)
     window = range(WARMUP, WARMUP + a.count)
     steps = WARMUP + 2 * a.count + 1
@@ -136,7 +136,7 @@ def main():
                "-m", "scripts.perf.profile_step", *sys.argv[1:]]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         sys.exit(subprocess.run(cmd, cwd=ROOT, env=env).returncode)
-    import lifecycle
+    from lessonkit import lifecycle
     lifecycle.run_main(lambda: profile(a, lesson_argv))
 
 

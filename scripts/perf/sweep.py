@@ -34,8 +34,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-import common
-import lifecycle
+from lessonkit import common, lifecycle
 from scripts.runs import available_lessons, load_lesson
 
 NO_PREFETCH = "06_zero3 --prefetch 0"

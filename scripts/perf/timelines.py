@@ -81,7 +81,7 @@ def gpu_overlap(trace_path):
     """Overlap on a GPU, from a torch.profiler trace of the measured step: comm = the time NCCL
     kernels ran, exposed = the part of it with no other kernel running beside them (the GPU's
     compute did not hide it), hidden share = 1 - exposed / comm. None if the trace has none."""
-    from comm_meter import union  # (imports torch: only where a run is traced)
+    from lessonkit.comm_meter import union  # (imports torch: only where a run is traced)
     with open(trace_path) as f:
         events = json.load(f).get("traceEvents", [])
     kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events

@@ -14,11 +14,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import common
+from lessonkit import common
 from model import get_batch
-import optimizers
-import lifecycle
-import measure
+from lessonkit import lifecycle, measure, optimizers
 
 IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2", "local")
 

@@ -12,11 +12,11 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-import common
-from comm_meter import CommMeter
-from memory_ledger import MemoryLedger, Peaks, max_rss
+from lessonkit import common
+from lessonkit.comm_meter import CommMeter
+from lessonkit.memory_ledger import MemoryLedger, Peaks, max_rss
 from scripts.perf import ring_collectives
-from theory import STATE_BYTES, buckets_in_flight, theory_memory, theory_ring_bytes
+from lessonkit.theory import STATE_BYTES, buckets_in_flight, theory_memory, theory_ring_bytes
 
 
 # ----------------------------------------------------------------------------- the run

@@ -15,8 +15,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
-import reshard
-from reshard import CheckpointError
+from lessonkit import reshard
+from lessonkit.reshard import CheckpointError
 
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept; older step directories are deleted after a save

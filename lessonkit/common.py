@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lifecycle import WATCHDOG_S, fail, say, start_heartbeat
+from lessonkit.lifecycle import WATCHDOG_S, fail, say, start_heartbeat
 from model import GPT, GPTConfig
 from scripts.perf import ring_collectives
 

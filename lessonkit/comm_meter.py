@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from theory import RING_FACTOR
+from lessonkit.theory import RING_FACTOR
 
 # name in torch.distributed -> (kind, name of the argument holding the full-size tensor); the
 # *_single names exist from torch 2.13 on, where the lessons' *_tensor names call them

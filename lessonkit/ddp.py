@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from optimizers import UsedParameters
+from lessonkit.optimizers import UsedParameters
 
 
 class Replicas(nn.Module):

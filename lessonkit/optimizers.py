@@ -8,7 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from reshard import FlatShard, parts
+from lessonkit.reshard import FlatShard, parts
 
 
 # ----------------------------------------------------------------------------- sharded optimizers (04-06)
