@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # 
 import hypothesis  # noqa: E402
 
 from scripts.perf import ring_collectives  # noqa: E402
-import optimizers  # noqa: E402
+from lessonkit import optimizers  # noqa: E402
 from fuzz_models import global_batch, make_model, micro_batches, routing_slots  # noqa: E402
 import harness  # noqa: E402
 from lessons import adamw, build, replicated_optimizer  # noqa: E402
