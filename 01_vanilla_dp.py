@@ -89,13 +89,13 @@ def main(argv=None):
     ### TRAINING SECTION BEGIN
     for step in range(start, args.steps):
         with run.step(step) as losses:
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
                 loss.backward()
                 losses.append(loss)
             model.all_reduce_gradients()  # after backward: every rank now holds the global-batch mean
-            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)

@@ -111,6 +111,7 @@ def main(argv=None):
     ### TRAINING SECTION BEGIN
     for step in range(start, args.steps):
         with run.step(step) as losses:
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 # Only the last micro-step's hooks launch (nanoGPT toggles this flag the same way
@@ -119,7 +120,6 @@ def main(argv=None):
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
                 loss.backward()  # the hooks launch the all-reduces; at its end, wait for them all
                 losses.append(loss)
-            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)

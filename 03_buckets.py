@@ -25,8 +25,8 @@ import functools
 import torch.distributed as dist
 import torch.nn as nn
 
-from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
 from bucket import BucketManager
+from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
 from model import get_batch
 
 
@@ -99,6 +99,7 @@ def main(argv=None):
     ### TRAINING SECTION BEGIN
     for step in range(start, args.steps):
         with run.step(step) as losses:
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 # Only the last micro-step's hooks launch (nanoGPT toggles this flag the same way
@@ -107,7 +108,6 @@ def main(argv=None):
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in the buckets
                 loss.backward()  # the hooks launch each bucket's all-reduce once it is full;
                 losses.append(loss)  # at its end, finish_gradient_synchronization() waits for all
-            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)  # in place: the grads stay bucket views, no copy
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)

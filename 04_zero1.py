@@ -42,8 +42,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     optimizer_class   any torch.optim optimizer (AdamW, Adam, SGD, ...), run over my shard only
     grad_clip         global-norm gradient clipping across all shards; 0 turns it off
     find_unused_parameters  as DDP's: a parameter no rank's backward reached is left alone by the
-                      optimizer, as one process leaves it (optimizers.UsedParameters; costs a small
-                      all-reduce per step)
+                      optimizer, as one process leaves it (costs a small all-reduce per step)
     **defaults        the optimizer's own arguments (lr, betas, momentum, ...)
 
     `param_groups` are the inner optimizer's, so torch.optim.lr_scheduler schedules it;
@@ -61,7 +60,6 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         groups, frozen = optimizers.param_groups(params)  # the caller's groups, each parameter once
         self.params = [p for g in groups for p in g["params"]]
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.grad_clip = grad_clip
         dtype, device = self.params[0].dtype, self.params[0].device
         assert all(p.dtype == dtype for p in self.params), "one working precision for all parameters"
 
@@ -95,23 +93,16 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         start = self.rank * shard_numel
         self.param_shard = self.flat_param[start:start + shard_numel]  # (numel_padded / N,), a view
         # ### END SOLUTION
-        # fp32 master weights for my shard only: in bf16 mode a copy, from the fp32 initial
-        # weights (optimizers.master_weights: a bf16 run starts where the fp32 run starts); in fp32
-        # mode the shard is its own master, so nothing is duplicated.
-        self.master_shard = (self.param_shard if dtype == torch.float32 else  # (numel_padded / N,) fp32
-                             optimizers.master_shard(self.params, self.rank * shard_numel, shard_numel))
-        # A real torch.optim optimizer over my shard only, so Adam moments exist for it alone; it
-        # steps one view of master_shard per parameter (optimizers.shard_pieces), in the caller's
-        # param groups: weight decay on some parameters and not others works as usual.
-        self.pieces = optimizers.shard_pieces(self.params, self.rank * shard_numel, self.master_shard)
-        self.optim = optimizer_class(optimizers.piece_groups(groups, self.pieces), **defaults)
-        super().__init__([self.master_shard], defaults)
-        self.used = optimizers.UsedParameters(self.params, device) if find_unused_parameters else None
-        for p in self.params if self.used else ():
-            p.register_post_accumulate_grad_hook(self.used.mark)
+        # The optimizer on my shard only: fp32 master weights of it (in fp32 mode the shard is
+        # its own master) and a real torch.optim optimizer over them, so Adam moments exist for
+        # my shard alone, in the caller's param groups (weight decay on matrices only, say).
+        self.shard_optimizer = optimizers.ShardOptimizer(groups, [(self.params, self.param_shard, start)],
+                                                         optimizer_class, grad_clip, find_unused_parameters,
+                                                         **defaults)
+        super().__init__(self.shard_optimizer.masters, defaults)
+        self.param_groups = self.shard_optimizer.param_groups  # what an lr_scheduler sets is what steps
         # in bf16, from a parameter's second micro-step on: an fp32 sum, 4 bytes per parameter
         self.grad_accumulation = ddp.FP32Accumulation(self.params)
-        self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -131,23 +122,16 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         dist.reduce_scatter_tensor(grad_shard, self.flat_grad)
         # ### END SOLUTION
 
-        # 2) AdamW on my shard, in fp32 (bf16 gradients are cast up first, as 01-03 do)
-        optimizers.grads_into_pieces(self.pieces, grad_shard.float(), self.rank * self.param_shard.numel(),
-                                 self.used.unused() if self.used else ())
-        if self.grad_clip > 0:
-            optimizers.clip_grad_norm_([piece.grad for *_, piece in self.pieces if piece.grad is not None],
-                                   self.grad_clip, self.flat_grad.device)
-        self.optim.step()
-        for *_, piece in self.pieces:
-            piece.grad = None  # the gradient shard lives only during the step
+        # 2) AdamW on my shard, in fp32 (bf16 gradients are cast up first, as 01-03 do), clipped
+        # by the global norm; it leaves the updated weights in my shard of the flat buffer.
+        self.shard_optimizer.step([grad_shard])
 
-        # 3) cast my updated shard into the flat buffer (the same tensor in fp32 mode) and
-        # all-gather every rank's into the flat buffer, so every parameter view is current. In
-        # place: my shard already sits at its slot of the output, which NCCL and gloo allow.
+        # 3) all-gather every rank's updated shard into the flat buffer, so every parameter view
+        # is current. In place: my shard already sits at its slot of the output, which NCCL and
+        # gloo allow.
         # ### BEGIN SOLUTION: 3) all-gather the parameters
-        # GOAL: afterwards self.flat_param holds every rank's updated slice, on every rank, in the
-        #       working precision; my slice comes from self.master_shard; one collective.
-        self.param_shard.copy_(self.master_shard)
+        # GOAL: afterwards self.flat_param holds every rank's updated slice (self.param_shard on
+        #       each), on every rank, in the working precision; one collective.
         dist.all_gather_into_tensor(self.flat_param, self.param_shard)
         # ### END SOLUTION
 
@@ -170,17 +154,16 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
             p.grad = view
 
     def state_dict(self):
-        return self.optim.state_dict()  # my shard's state
+        return self.shard_optimizer.optim.state_dict()  # my shard's state
 
     def load_state_dict(self, state_dict):
-        self.optim.load_state_dict(state_dict)
+        self.shard_optimizer.optim.load_state_dict(state_dict)
 
 
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoint_shards(optimizer, names):
     """For lessonkit/checkpoint.py: what a ZeRO1Optimizer holds, one flat buffer."""
-    return checkpoint.flat_buffer_shards(names, optimizer.params, optimizer.flat_param, optimizer.pieces,
-                                         optimizer.optim)
+    return optimizer.shard_optimizer.checkpoint_shards(names, [optimizer.flat_param])
 
 
 # ----------------------------------------------------------------------------- training
@@ -198,13 +181,13 @@ def main(argv=None):
     ### TRAINING SECTION BEGIN
     for step in range(start, args.steps):
         with run.step(step) as losses:
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
                 loss.backward()  # gradients accumulate locally, in the flat buffer (bf16: in fp32)
                 losses.append(loss)
             # ZeRO-1 keeps the full gradient, so it communicates once per optimizer step:
-            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()  # 1) reduce-scatter  2) AdamW on my shard  3) all-gather
             optimizer.zero_grad(set_to_none=False)  # in place: the grads stay views, no copy
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)

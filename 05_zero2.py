@@ -43,8 +43,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
 from bucket import BucketManager
+from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
 from model import get_batch
 
 
@@ -81,7 +81,6 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
             position = {id(p): i for i, p in enumerate(bucket_order)}
             self.params.sort(key=lambda p: position.get(id(p), len(position)))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.grad_clip = grad_clip
         # The buckets of 03, padded so each splits into N equal shards; but the collective is a
         # reduce-scatter, and a bucket's full-size buffer exists only while it fills and is in
         # flight. At most two in flight (as DeepSpeed's overlap_comm): before a third starts,
@@ -95,7 +94,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                                           on_done=self._keep_my_shard, max_in_flight=2,
                                           first_bucket_cap_mb=first_bucket_cap_mb)  # bucket 0: starts early
         buckets = self.grad_buckets.buckets
-        self.flat_params, self.param_shards, self.master_shards, self.pieces = [], [], [], []
+        self.flat_params, self.param_shards, shards = [], [], []
         self.grad_shards = [None] * len(buckets)  # my slice of each bucket's gradient, kept
         self.grad_shards_in_flight = {}            # bucket index -> reduce-scatter output
         with torch.no_grad():
@@ -115,28 +114,20 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                 param_shard = flat_param[start:start + shard_numel]  # (numel_padded / N,), a view
                 self.flat_params.append(flat_param)  # (numel_padded,)
                 self.param_shards.append(param_shard)
-                # fp32 master weights for my shard only: a copy in bf16 mode, from the fp32
-                # initial weights (as in 04); in fp32 mode the shard is its own master.
-                self.master_shards.append(param_shard if bucket.dtype == torch.float32 else
-                                          optimizers.master_shard(bucket.params, start, shard_numel))
-                # what the optimizer steps: one view of my master shard per parameter, as in 04
-                self.pieces.append(optimizers.shard_pieces(bucket.params, start, self.master_shards[-1]))
+                shards.append((bucket.params, param_shard, start))
             for p in frozen:  # not trained, but it must still be the same on every rank
                 dist.broadcast(p.data, src=0)
-        # A real torch.optim optimizer over my shards (Adam moments exist for them only), in the
-        # caller's param groups.
-        all_pieces = [piece for pieces in self.pieces for piece in pieces]
-        self.optim = optimizer_class(optimizers.piece_groups(groups, all_pieces), **defaults)
-        super().__init__(self.master_shards, defaults)
-        self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
-        self.used = optimizers.UsedParameters(self.params, self.params[0].device) if find_unused_parameters else None
+        # The optimizer on my shard of every bucket, as in 04: fp32 masters and a torch.optim
+        # optimizer over them alone, in the caller's param groups.
+        self.shard_optimizer = optimizers.ShardOptimizer(groups, shards, optimizer_class, grad_clip,
+                                                         find_unused_parameters, **defaults)
+        super().__init__(self.shard_optimizer.masters, defaults)
+        self.param_groups = self.shard_optimizer.param_groups  # what an lr_scheduler sets is what steps
         # Fires during backward once p.grad is complete (a tied weight's: both uses summed).
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, p):
-        if self.used:
-            self.used.mark(p)
         ddp.at_end_of_backward(self, self.finish_reduce_scatter)  # wait for all at its end
         self.grad_buckets.ready(p)
 
@@ -184,23 +175,13 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         assert None not in self.grad_shards, "step() before any backward since zero_grad()"
         # 1) the reduce-scatters ran during backward: my gradient shards are ready.
 
-        # 2) AdamW on my shard of every bucket, in fp32 (bf16 gradients are cast up first)
-        unused = self.used.unused() if self.used else ()
-        for pieces, grad_shard, param_shard in zip(self.pieces, self.grad_shards, self.param_shards):
-            optimizers.grads_into_pieces(pieces, grad_shard.float(), self.rank * param_shard.numel(), unused)
-        every_piece = [piece for pieces in self.pieces for *_, piece in pieces]
-        if self.grad_clip > 0:
-            optimizers.clip_grad_norm_([piece.grad for piece in every_piece if piece.grad is not None],
-                                   self.grad_clip, self.param_shards[0].device)
-        self.optim.step()
-        for piece in every_piece:
-            piece.grad = None  # gradient shards live only until the step
+        # 2) AdamW on my shard of every bucket, in fp32 (bf16 gradients are cast up first), as in 04
+        self.shard_optimizer.step(self.grad_shards)
 
-        # 3) per bucket: cast my updated shard into its flat buffer (the same tensor in fp32
-        # mode) and all-gather every rank's, in place as in 04; all buckets at once, then wait.
+        # 3) per bucket: all-gather every rank's updated shard into its flat buffer, in place as
+        # in 04; all buckets at once, then wait.
         works = []
-        for flat_param, param_shard, master_shard in zip(self.flat_params, self.param_shards, self.master_shards):
-            param_shard.copy_(master_shard)
+        for flat_param, param_shard in zip(self.flat_params, self.param_shards):
             works.append(dist.all_gather_into_tensor(flat_param, param_shard, async_op=True))
         for work in works:
             work.wait()
@@ -209,18 +190,16 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         self.grad_shards = [None] * len(self.grad_shards)  # the next backward's slices start them
 
     def state_dict(self):
-        return self.optim.state_dict()  # my shards' state
+        return self.shard_optimizer.optim.state_dict()  # my shards' state
 
     def load_state_dict(self, state_dict):
-        self.optim.load_state_dict(state_dict)
+        self.shard_optimizer.optim.load_state_dict(state_dict)
 
 
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoint_shards(optimizer, names):
     """For lessonkit/checkpoint.py: what a ZeRO2Optimizer holds, per bucket as 04 for its one buffer."""
-    return [shard for bucket, flat_param, pieces in zip(optimizer.grad_buckets.buckets, optimizer.flat_params,
-                                                         optimizer.pieces)
-            for shard in checkpoint.flat_buffer_shards(names, bucket.params, flat_param, pieces, optimizer.optim)]
+    return optimizer.shard_optimizer.checkpoint_shards(names, optimizer.flat_params)
 
 
 # ----------------------------------------------------------------------------- training
@@ -240,12 +219,12 @@ def main(argv=None):
     ### TRAINING SECTION BEGIN
     for step in range(start, args.steps):
         with run.step(step) as losses:
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
                 loss.backward()  # 1) each bucket is reduce-scattered as soon as it is full, every
                 losses.append(loss)  # micro-step (no full gradient is kept); waited for at its end
-            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()  # 2) AdamW on my shards  3) all-gather, bucket by bucket
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)

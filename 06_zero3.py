@@ -402,6 +402,7 @@ def main(argv=None):
     ### TRAINING SECTION BEGIN
     for step in range(start, args.steps):
         with run.step(step) as losses:
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # 1) gather 2) forward 3) free, unit by unit
@@ -409,7 +410,6 @@ def main(argv=None):
                 losses.append(loss)
             if args.grad_clip > 0:
                 model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce
-            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule
             optimizer.step()  # 6) AdamW on my shards
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)

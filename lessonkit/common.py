@@ -207,7 +207,8 @@ def build_model(args, env: Dist) -> GPT:
     as FSDP2: initialised in fp32, those weights stay on each parameter (`p.fp32_init`) until an
     optimizer makes its master weights from them (optimizers.master_weights), so a bf16 run
     starts where the fp32 run starts and its working copy is the fp32 weights rounded."""
-    model = GPT(model_config(args), seed=args.seed).to(env.device)
+    config = model_config(args)
+    model = GPT(config, seed=args.seed).to(env.device)
     if working_dtype(args) != torch.float32:
         for p in model.parameters():
             p.fp32_init = p.detach().clone()

@@ -79,7 +79,7 @@ def handles(lesson, trainer):
 
 def optimizer_of(lesson, trainer):
     """The torch.optim optimizer whose state the checkpoint holds."""
-    return trainer.opt.optim if lesson in ("04", "05") else trainer.opt
+    return trainer.opt.shard_optimizer.optim if lesson in ("04", "05") else trainer.opt
 
 
 def toy_steps(trainer, steps):

@@ -203,7 +203,7 @@ def first_step_gradients(lesson, argv):
         opt = load_lesson(lesson).ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, **optimizers.adamw_kwargs(args))
         # (params, their flat offsets, [(elements lo .. hi of my shard, their gradient)], numel_padded)
         layouts = [(b.params, [b.offsets[p][0] for p in b.params], ps, b.numel_padded)
-                   for b, ps in zip(opt.grad_buckets.buckets, opt.pieces)]
+                   for b, ps in zip(opt.grad_buckets.buckets, opt.shard_optimizer.pieces)]
         names = model
     else:  # 06: the caller's optimizer steps the shards; backward leaves their gradients
         model = load_lesson(lesson).build_model(args, env)
@@ -226,7 +226,7 @@ def first_step_gradients(lesson, argv):
             dist.all_gather_into_tensor(flat, shard)
             for p, offset in zip(params, offsets):
                 grads[p] = flat[offset:offset + p.numel()].view(p.shape).clone()
-    inner = opt.optim if lesson == "05_zero2" else opt
+    inner = opt.shard_optimizer.optim if lesson == "05_zero2" else opt
     inner.step = capture
     for micro in range(args.grad_accum):
         x, y = get_batch(args, env, 0, micro)

@@ -103,12 +103,12 @@ def graded_files(checkout=ROOT):
 
 
 def sandbox(submission, dest, checkout=ROOT, reference=()):
-    """Fill `dest` with `checkout`'s support modules, tests and tools (top-level .py, tests/,
-    scripts/) and the submission's graded files (but `reference`'s, from `checkout`)."""
+    """Fill `dest` with `checkout`'s support modules, tests and tools (model.py, lessonkit/,
+    tests/, scripts/) and the submission's graded files (but `reference`'s, from `checkout`)."""
     graded = graded_files(checkout)
     for rel in se.source_files(checkout, skip=False):
         top = "/" not in rel
-        if (top and rel.endswith(".py") and rel not in graded) or rel.startswith(("tests/", "scripts/")):
+        if (top and rel.endswith(".py") and rel not in graded) or rel.startswith(("lessonkit/", "tests/", "scripts/")):
             _copy(os.path.join(checkout, rel), os.path.join(dest, rel))
     for name in graded:
         src = os.path.join(checkout if name[:-3] in reference else submission, name)
