@@ -202,12 +202,15 @@ class ZeRO3(nn.Module):
         #       `wait` set, flat_param is complete when this returns and nothing is pending.
         if flat_param.untyped_storage().size() == 0:
             flat_param.untyped_storage().resize_(flat_param.numel() * flat_param.element_size())
-            my_shard = unit.shard.to(flat_param.dtype)  # param_dtype (fp32: the shard itself)
+            my_shard = self._gather_input(unit, flat_param.dtype)  # my shard in param_dtype
             unit.gather_work = dist.all_gather_into_tensor(flat_param, my_shard, async_op=True)
         if wait and unit.gather_work is not None:
             unit.gather_work.wait()
             unit.gather_work = None
         # ### END SOLUTION
+
+    def _gather_input(self, unit, dtype):  # (07 keeps a copy of it on the device instead)
+        return unit.shard.to(dtype)  # (fp32: the shard itself)
 
     def _reshard(self, unit):
         """Free `unit`'s full parameters; my shard stays."""
@@ -339,12 +342,15 @@ class ZeRO3(nn.Module):
         unused = self.used.unused() if self.used else ()
         for unit in self.units:
             if unit.grad_shard is not None:  # into my shards' .grad, in their dtype (fp32):
-                grad = unit.grad_shard.to(unit.shard.dtype)  # micro-steps add up there, not in bf16
+                grad = self._reduced_grad(unit)  # micro-steps add up there, not in bf16
                 for p, shard, (lo, hi) in zip(unit.params, unit.sharded, unit.ranges):
                     if p.requires_grad and hi > lo and p not in unused:  # (nothing to step: no grad)
                         shard.grad = grad[lo:hi] if shard.grad is None else shard.grad.add_(grad[lo:hi])
                 unit.grad_shard = None
             unit.reduced = False
+
+    def _reduced_grad(self, unit):  # (07: on its way to the host)
+        return unit.grad_shard.to(unit.shard.dtype)
 
     # ------------------------------------------------------------------ around the optimizer
     def clip_grad_norm_(self, max_norm):
@@ -369,9 +375,10 @@ def checkpoint_shards(model, optimizer, names):
 
 
 # ----------------------------------------------------------------------------- training
-def build_model(args, env):
-    """The GPT of `args` under ZeRO-3, built on the meta device and materialised, initialised and
-    sharded one unit at a time: its weights equal GPT(cfg, seed)'s, yet no rank ever held them."""
+def build_model(args, env, strategy=None, **kwargs):
+    """The GPT of `args` under ZeRO-3 (`strategy`: ZeRO3, or 07's subclass, with its `kwargs`),
+    built on the meta device and materialised, initialised and sharded one unit at a time: its
+    weights equal GPT(cfg, seed)'s, yet no rank ever held them."""
     with torch.device("meta"):  # shapes only: not one byte of parameters yet
         gpt = GPT(common.model_config(args), seed=None)  # fp32: the shards are the master weights
 
@@ -384,8 +391,8 @@ def build_model(args, env):
 
     # --precision bf16: gather, compute and reduce-scatter in bf16 (the ZeRO paper's 2 bytes)
     policy = MixedPrecisionPolicy(param_dtype=common.working_dtype(args))
-    return ZeRO3(gpt, units=list(gpt.blocks), mp_policy=policy, param_init_fn=init_unit,
-                 prefetch=bool(args.prefetch), device=env.device)
+    return (strategy or ZeRO3)(gpt, units=list(gpt.blocks), mp_policy=policy, param_init_fn=init_unit,
+                               prefetch=bool(args.prefetch), device=env.device, **kwargs)
 
 
 def main(argv=None):

@@ -16,7 +16,7 @@ from lessonkit import common
 from lessonkit.comm_meter import CommMeter
 from lessonkit.memory_ledger import MemoryLedger, Peaks, max_rss
 from scripts.perf import ring_collectives
-from lessonkit.theory import STATE_BYTES, buckets_in_flight, theory_memory, theory_ring_bytes
+from lessonkit.theory import STATE_BYTES, buckets_in_flight, theory_memory, theory_ring_bytes, theory_tiers
 
 
 # ----------------------------------------------------------------------------- the run
@@ -28,6 +28,9 @@ class Run:
         self.model, self.optimizer = model, optimizer
         self.psi = common.n_params(model) if not hasattr(model, "n_params") else model.n_params
         self.ledger = MemoryLedger(model, [*holders, optimizer])
+        # what a holder counts itself (07's copies each way): read before and after the measured step
+        self.counted = [h for h in holders if hasattr(h, "counters")]
+        self.copies = None
         self.cuda = env.device.type == "cuda"
         self.comm = CommMeter(env.world_size, cpu_timed=env.backend == "gloo" and not self.cuda)
         self.cuda_step_peak = self.peak_params = self.peak_grads = self.params_timeline = self.trace = None
@@ -53,9 +56,12 @@ class Run:
         t0 = time.perf_counter()
         if measure:
             trace = self.trace.measuring() if self.trace else nullcontext()
+            before = [h.counters() for h in self.counted]
             with trace, self.comm.measuring(), self._memory_probe():
                 yield micro_losses
                 self._sync()  # inside the window: the GPU's work of this step is in it
+            self.copies = {k: sum(h.counters()[k] - b[k] for h, b in zip(self.counted, before))
+                           for k in (before[0] if before else ())} or None
             if self.cuda:
                 self.cuda_step_peak = torch.cuda.max_memory_allocated()
         else:
@@ -116,7 +122,8 @@ class Run:
                     "ops": self.comm.ops, "calls": self.comm.calls, "ring_bytes": self.comm.ring_bytes(),
                     "wire_bytes": self.comm.wire_bytes,
                     "overlap": self.comm.overlap() or (self.trace and self.trace.gpu_overlap),
-                    "timeline": self.trace and self.trace.timeline()}  # --trace: the chart's, per rank
+                    "timeline": self.trace and self.trace.timeline(),  # --trace: the chart's, per rank
+                    "copies": self.copies}  # 07's host <-> device copies in the measured step
         if self.env.master:  # rank 0's parameter bytes over the measured step
             measured["params_timeline"] = self.params_timeline
         if self.cuda:  # what the caching allocator handed out: over the run, and in the measured step
@@ -164,7 +171,9 @@ class Run:
                      # (None there without --trace: unavailable, not zero)
                      "overlap": gathered[0]["overlap"],
                      "overlap_per_rank": [g["overlap"] for g in gathered]},
+            "copies_per_rank": [g["copies"] for g in gathered] if gathered[0]["copies"] else None,
             "memory": {"per_rank": [g["memory"] for g in gathered], "theory": mem_theory,
+                       **({"theory_tiers": theory_tiers(self.psi, n, a.precision)} if self.strategy == "offload" else {}),
                        "params_timeline": gathered[0].get("params_timeline")},
         }
 
@@ -214,6 +223,19 @@ class Run:
             bound = th["peak_grads"] and f" (theory {th['peak_grads'] / mib:.2f}: at rest + buckets in flight)"
             print(f"  gradients rank 0, MiB: peak during backward {m['peak_grads'] / mib:.2f}{bound or ''} | "
                   f"the whole gradient {STATE_BYTES[r['precision']]['grads'] * r['n_params'] / mib:.2f}", flush=True)
+        if "host" in m:  # 07: by tier, beside theory_tiers
+            for tier in ("device", "host"):
+                print(f"  memory rank 0 on the {tier}, MiB: " + " | ".join(
+                    f"{k} {m[tier][k] / mib:.2f} (theory {r['memory']['theory_tiers'][tier][k] / mib:.2f})"
+                    for k in ("params", "grads", "optimizer"))
+                    + ("" if r["device"] == "cuda" else " (on this CPU-only machine, one memory)"), flush=True)
+        c = (r.get("copies_per_rank") or [None])[0]
+        if c:  # 07: the measured step's copies (CUDA: their time from events on the copy stream)
+            waited = (f" | the CPU waited {c['d2h_waited_s'] * 1e3:.1f} ms at the end of backward for "
+                      "the downloads to land (the GPU work queued before them included)" if r["device"] == "cuda"
+                      else " (plain copies: nothing hidden)")
+            print(f"  copies rank 0: host->device {c['h2d_bytes'] / mib:.2f} MiB in {c['h2d_s'] * 1e3:.1f} ms | "
+                  f"device->host {c['d2h_bytes'] / mib:.2f} MiB in {c['d2h_s'] * 1e3:.1f} ms{waited}", flush=True)
         if m.get("cuda_step_peak") is not None:  # everything the step allocated: activations too
             held = sum(m.get(k, 0) for k in ("params", "grads", "optimizer"))
             print(f"  GPU rank 0, MiB: peak allocated in the measured step {m['cuda_step_peak'] / mib:.2f} | "

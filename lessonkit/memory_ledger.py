@@ -76,9 +76,15 @@ class MemoryLedger:
                 self._walk(v, _category(k, category), found, seen, depth + 1)
 
     def measure(self):
+        """{category: bytes, "master_weights": bytes}; where a root tells its device tier (07's
+        device_tier()), also "device" and "host": {category: bytes} in each. A tensor is the
+        device's if it is on an accelerator or in that tier (on a CPU-only machine, its role)."""
         totals = {**dict.fromkeys(CATEGORIES, 0), "master_weights": 0}  # master_weights: in optimizer
         tensors, counted = self.tensors(), set()
         updated = {_storage_key(t) for t in self._updated}
+        tiered = [r for r in self.roots if hasattr(r, "device_tier")]
+        device = {_storage_key(t) for r in tiered for t in r.device_tier()}
+        tiers = {"device": dict.fromkeys(CATEGORIES, 0), "host": dict.fromkeys(CATEGORIES, 0)}
         for category, t in tensors:
             key = _storage_key(t)
             nbytes = 0 if key is None else _local(t).untyped_storage().nbytes()
@@ -86,9 +92,10 @@ class MemoryLedger:
                 continue
             counted.add(key)
             totals[category] += nbytes
+            tiers["device" if t.device.type != "cpu" or key in device else "host"][category] += nbytes
             if category == "optimizer" and key in updated:
                 totals["master_weights"] += nbytes
-        return totals
+        return {**totals, **(tiers if tiered else {})}
 
 
 def _local(t):

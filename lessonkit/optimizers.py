@@ -122,8 +122,8 @@ def clip_grad_norm_(grads, max_norm, device):
         norm_sq += g.float().pow(2).sum()
     dist.all_reduce(norm_sq)
     norm = norm_sq.sqrt()
-    clip_coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
+    clip_coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].device if grads else device)
+    for g in grads:  # (07: gradients on the host, the norm's all-reduce on the device)
         g.mul_(clip_coef)
     return norm
 

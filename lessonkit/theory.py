@@ -16,7 +16,7 @@ STATE_BYTES = {"fp32": {"params": 4, "grads": 4, "optimizer": 8},
 # which states each stage divides by N
 SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
            "zero1": ("optimizer",), "zero2": ("optimizer", "grads"),
-           "zero3": ("optimizer", "grads", "params"),
+           "zero3": ("optimizer", "grads", "params"), "offload": ("optimizer", "grads", "params"),
            # PyTorch's counterparts, run by scripts/torch_reference.py for the benchmark
            "torch_ddp": (), "torch_zero_redundancy": ("optimizer",),
            "torch_fsdp2_noreshard": ("optimizer", "grads"),
@@ -30,11 +30,12 @@ def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
     """Bytes per rank for each model state, ZeRO paper Figure 1 / Table 1; and `peak_grads`, the
     most gradient bytes alive during backward: `in_flight` bytes (buckets_in_flight) on top of the
     gradients at rest."""
+    out = {k: psi * b / world if k in SHARDED[strategy] else psi * b for k, b in STATE_BYTES[precision].items()}
+    if strategy == "offload":  # 07: both tiers (theory_tiers)
+        out = {k: sum(tier[k] for tier in theory_tiers(psi, world, precision).values()) for k in out}
     if strategy in ("zero3", "torch_fsdp2"):  # FSDP2's convention: bf16 only in flight; at rest
         precision = "fp32"  # fp32 shards (the master weights), fp32 gradient shards, 2 moments
-    out = {}
-    for key, b in STATE_BYTES[precision].items():
-        out[key] = psi * b / world if key in SHARDED[strategy] else psi * b
+        out = {k: psi * b / world for k, b in STATE_BYTES[precision].items()}
     if precision == "bf16" and grad_accum > 1 and strategy in ACCUMULATE_FP32:  # ddp.FP32Accumulation
         out["grads"] += 4 * psi  # the fp32 sum of the micro-steps, beside the bf16 gradient it rounds into
     out["peak_params"] = out["params"]  # ZeRO-3 adds the gathered units in flight
@@ -52,6 +53,14 @@ def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
     out["master_weights"] = master / world if "optimizer" in SHARDED[strategy] else master
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def theory_tiers(psi, world, precision):
+    """ZeRO-Offload's model states per rank (07), by tier: the device keeps my parameter shard in
+    the working precision; the host my fp32 master shard (the parameters the optimizer steps, as
+    06's shards are), its fp32 gradient and Adam's two moments: 12 Psi / N of master and moments."""
+    return {"device": {"params": STATE_BYTES[precision]["params"] * psi / world, "grads": 0, "optimizer": 0},
+            "host": {"params": 4 * psi / world, "grads": 4 * psi / world, "optimizer": 8 * psi / world}}
 
 
 def buckets_in_flight(bucket_bytes, max_in_flight, largest_grad):
@@ -78,6 +87,6 @@ def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1):
     With K micro-steps, ZeRO-2 reduce-scatters at each ((K + 1) Psi) and ZeRO-3 gathers and
     reduce-scatters at each (3 K Psi): no rank holds a whole gradient to accumulate into."""
     k = grad_accum
-    elems = {"zero2": (k + 1) * psi, "zero3": 3 * k * psi, "torch_fsdp2": 3 * k * psi,
+    elems = {"zero2": (k + 1) * psi, "zero3": 3 * k * psi, "offload": 3 * k * psi, "torch_fsdp2": 3 * k * psi,
              "torch_fsdp2_noreshard": (k + 1) * psi, "torch_local": 0}.get(strategy, 2 * psi)
     return elems * (world - 1) / world * STATE_BYTES[precision]["params"]

@@ -1,5 +1,5 @@
 """The differential fuzzer: Hypothesis draws cases (a model, its routing, a world size and the
-training settings); each lesson 01-06 trains the case beside its PyTorch counterpart and
+training settings); each lesson 01-07 trains the case beside its PyTorch counterpart and
 single-process training on the whole batch, all driven by the same loop; every replica must be
 identical and every lesson must match both within tolerances.FUZZ_*.
 
@@ -12,10 +12,10 @@ identical and every lesson must match both within tolerances.FUZZ_*.
 Counterparts: DDP(find_unused_parameters=True) for 01-03, DDP + ZeroRedundancyOptimizer for 04
 (in bf16 FSDP2 without resharding instead: ZeroRedundancyOptimizer keeps no fp32 master weights),
 FSDP2 fully_shard without resharding (the whole model one group) for 05 and with resharding
-(each block a unit) for 06, where FSDP2 can run the case (fsdp2_can_run). Every run uses
-find_unused; FSDP2 reduce-scatters zeros for a parameter its rank did not reach, and the loop
-drops the gradient of one no rank reached (the reference knows which), as DDP's None: so every
-run has one semantics, the design's.
+(each block a unit) for 06 and 07 (offload changes where it computes, not what), where FSDP2 can
+run the case (fsdp2_can_run). Every run uses find_unused; FSDP2 reduce-scatters zeros for a
+parameter its rank did not reach, and the loop drops the gradient of one no rank reached (the
+reference knows which), as DDP's None: so every run has one semantics, the design's.
 
 Cost: starting ranks is most of it, so one launch of `world` ranks runs several cases
 (FUZZ_BATCH, default 4), each case's reference and runs inside it. Each run gets a process
@@ -50,7 +50,7 @@ import harness  # noqa: E402
 from lessons import adamw, build, replicated_optimizer  # noqa: E402
 from tolerances import FUZZ_BF16_ADAM_EPS, FUZZ_BF16_LOSS_ATOL, FUZZ_BF16_UPDATE_RTOL, FUZZ_TOL  # noqa: E402
 
-LESSONS = ("01", "02", "03", "04", "05", "06")
+LESSONS = ("01", "02", "03", "04", "05", "06", "07")
 FSDP2 = ("fsdp2", "fsdp2_noreshard")
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, adamw(1e-2)),
               "sgd": (torch.optim.SGD, dict(lr=0.5)),
@@ -71,7 +71,7 @@ def counterpart(lesson, case):
         return "ddp"
     if lesson == "04":  # ZeroRedundancyOptimizer steps bf16 parameters in bf16 (no master weights)
         return "zero_redundancy" if case["precision"] == "fp32" else "fsdp2_noreshard"
-    return "fsdp2_noreshard" if lesson == "05" else "fsdp2"
+    return "fsdp2_noreshard" if lesson == "05" else "fsdp2"  # (07: FSDP2's results are its offload's)
 
 
 # ----------------------------------------------------------------------------- what Hypothesis draws
@@ -212,7 +212,7 @@ def train(case, name, unused):
     from torch.distributed.fsdp import MixedPrecisionPolicy
     rank = dist.get_rank()
     bf16 = case["precision"] == "bf16"
-    sharded_fp32 = name in FSDP2 or name == "06"  # fp32 shards, computing in bf16 by a policy
+    sharded_fp32 = name in FSDP2 or name in ("06", "07")  # fp32 shards, computing in bf16 by a policy
     model = make_model(case["model"], case["seed"], bf16_params=bf16 and not sharded_fp32)
     opt_class, opt_kwargs = optimizer(case)
     kw = dict(grad_clip=case["clip"], weight_decay=case["weight_decay"], bucket_mb=case["bucket_mb"],

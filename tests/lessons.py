@@ -11,6 +11,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from lessonkit import optimizers
 from graded import load_lesson
@@ -80,7 +81,7 @@ def replicated_optimizer(params, grad_clip, optimizer_class=None, optimizer_kwar
 
 
 def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0.0, **kw):
-    """A trainer for `lesson` ("01".."06", or "ddp") around `module`, inside a process group.
+    """A trainer for `lesson` ("01".."07", or "ddp") around `module`, inside a process group.
     weight_decay: AdamW's, in optimizers.decay_groups (matrices and embeddings only), as main()."""
     wd = weight_decay
     opt_kw = {k: kw[k] for k in ("optimizer_class", "optimizer_kwargs") if k in kw}  # default: AdamW at lr
@@ -98,10 +99,13 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
         dp = load_lesson("03_buckets").BucketedDP(module, bucket_cap_mb=bucket_mb,
                                                   find_unused_parameters=kw.get("find_unused", False))
         return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
-    if lesson == "06":  # as FSDP2: the caller's optimizer over the shards, clipping by the model
-        z = load_lesson("06_zero3").ZeRO3(module, units=sharding_units(module), prefetch=kw.get("prefetch", True),
-                                          find_unused_parameters=kw.get("find_unused", False),
-                                          mp_policy=kw.get("mp_policy"))  # None: compute in the parameters' dtype
+    if lesson in ("06", "07"):  # as FSDP2: the caller's optimizer over the shards, clipping by the model
+        strategy, offload = load_lesson("06_zero3").ZeRO3, {}  # (06 first: 07 imports it)
+        if lesson == "07":
+            strategy, offload = load_lesson("07_offload").ZeRO3Offload, {"offload_policy": CPUOffloadPolicy(False)}
+        z = strategy(module, units=sharding_units(module), prefetch=kw.get("prefetch", True),
+                     find_unused_parameters=kw.get("find_unused", False),
+                     mp_policy=kw.get("mp_policy"), **offload)  # mp_policy None: the parameters' dtype
         opt = kw.get("optimizer_class", torch.optim.AdamW)(optimizers.decay_groups(z, wd),
                                                            **kw.get("optimizer_kwargs", adamw(lr)))
 
@@ -111,8 +115,8 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
             opt.step()
             opt.zero_grad()
         return _FullySharded(z, step=step, full_parameters=lambda: zero3_full_parameters(z), opt=opt)
-    if lesson == "fsdp2":
-        return _fsdp2(module, grad_clip, lr, wd, **kw)
+    if lesson in ("fsdp2", "fsdp2_offload"):  # offload: CPUOffloadPolicy, as 07
+        return _fsdp2(module, grad_clip, lr, wd, offload=lesson == "fsdp2_offload", **kw)
     if lesson in ("04", "05"):  # kw optimizer_class / optimizer_kwargs: e.g. SGD, which sees gradient scale
         opt_class, opt_kwargs = kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs", adamw(lr))
         if lesson == "04":
@@ -173,15 +177,18 @@ def _fsdp2_options(module, kw):
     return kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs")
 
 
-def _fsdp2(module, grad_clip, lr, wd, **kw):
-    """PyTorch's own ZeRO-3: fully_shard each unit, then the root, on an explicit CPU mesh."""
+def _fsdp2(module, grad_clip, lr, wd, offload=False, **kw):
+    """PyTorch's own ZeRO-3: fully_shard each unit, then the root, on an explicit CPU mesh
+    (offload: with CPUOffloadPolicy, unpinned: no GPU here)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     policy = kw.get("mp_policy") or MixedPrecisionPolicy()
+    options = dict(mesh=mesh, reshard_after_forward=True, mp_policy=policy,
+                   **({"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}))
     for unit in sharding_units(module):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
-    fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        fully_shard(unit, **options)
+    fully_shard(module, **options)
     opt_class, opt_kwargs = _fsdp2_options(module, kw)
     opt = opt_class(optimizers.decay_groups(module, wd), **(opt_kwargs or adamw(lr)))
 

@@ -25,7 +25,7 @@ from scripts.learn.consolidate import consolidate
 from toy import BATCH, make_toy, toy_batch
 from zero_parity import close, identical
 
-LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3"]
+LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3", "07_offload"]
 SHARDED = LESSONS[3:]
 # Psi = d (V + T + 2 + L (12 d + 13)) = 35 x 949 = 33,215, and each ZeRO-3 unit (35 x 83, 35 x 433)
 # too, is odd and not a multiple of 3: at 2, 3 and 4 ranks every flat buffer is padded. 12
@@ -304,7 +304,7 @@ def test_bf16_resume_is_exact_and_keeps_fp32_masters(root):
         sd = consolidate(step_dir(f"{root}/{lesson}/bf16", 6))
         # the fp32 masters, of which the bf16 weights are the rounding, not the bf16 weights
         assert all(torch.equal(sd[n].bfloat16(), p.bfloat16()) for n, p in full["params"].items())
-        if lesson == "06_zero3":  # its parameters at rest ARE the fp32 masters (FSDP2's way)
+        if lesson in ("06_zero3", "07_offload"):  # its parameters at rest ARE the fp32 masters (FSDP2's way)
             assert all(torch.equal(sd[n], p) for n, p in full["params"].items())
         else:  # 04, 05: bf16 parameters, fp32 masters beside them
             assert any(not torch.equal(sd[n], p) for n, p in full["params"].items())

@@ -1,6 +1,6 @@
 """The differential fuzzer's fixed slice (tests/fuzz.py; `make fuzz` searches further): cases
 Hypothesis draws from a fixed seed, PER_WORLD at each world size 1-4, each world's cases in one
-launch of ranks. Every lesson 01-06 against its PyTorch counterpart and single-process training;
+launch of ranks. Every lesson 01-07 against its PyTorch counterpart and single-process training;
 a failure prints each failing case with the one line that reproduces it."""
 import pytest
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from scripts.perf import gpu_check
-from scripts.runs import LESSONS
+from scripts.runs import LESSONS  # noqa: F401 (the lessons of the other tools)
 
 REF = [4.0, 3.9, 3.8, 3.7]  # the CPU reference's losses, and every faked run's unless told
 
@@ -41,7 +41,7 @@ class FakeLaunch:
         losses = lambda name: self.losses.get(f"{name} {precision}", self.losses.get(name, REF))
         if script == "scripts.perf.sweep":
             worlds = args[args.index("--worlds") + 1:args.index("--lessons")]
-            return {"worlds": {w: {"reports": {name: report(losses(name)) for name in LESSONS}} for w in worlds}}
+            return {"worlds": {w: {"reports": {name: report(losses(name)) for name in gpu_check.CHECKED}} for w in worlds}}
         if script == "01_vanilla_dp" and args[args.index("--device") + 1] == "cuda":
             return {"losses": losses("1 GPU")}
         if script == "00_collectives":
@@ -91,7 +91,7 @@ def test_bf16_is_checked_against_one_gpu_as_the_cpu_cannot_tell(monkeypatch, tmp
     # That passes; a lesson 8e-3 from the one-GPU run (a bug's size) fails, though the CPU's bound
     # (garbage only) lets it by.
     gpu = [x + 2.7e-2 for x in REF]
-    runs = {f"{name} bf16": gpu for name in LESSONS} | {"1 GPU bf16": gpu, "03_buckets bf16": [x + 1.1e-3 for x in gpu]}
+    runs = {f"{name} bf16": gpu for name in gpu_check.CHECKED} | {"1 GPU bf16": gpu, "03_buckets bf16": [x + 1.1e-3 for x in gpu]}
     assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(runs), gpus=2, device="cuda") == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert "| 03_buckets | 2 | bf16 | 3.7281 | 2.8e-02 | 1.1e-03 |" in out

@@ -36,6 +36,7 @@ CASES = {
     "06": ("06_zero3", ZERO3), "06_bf16": ("06_zero3", ZERO3 + BF16), "06_accum": ("06_zero3", ZERO3 + ACCUM),
     "06_no_prefetch": ("06_zero3", ZERO3 + ["--prefetch", "0"]),
     "06_no_prefetch_bf16_accum": ("06_zero3", ZERO3 + ["--prefetch", "0"] + BF16 + ACCUM),
+    "07_bf16_accum": ("07_offload", ZERO3 + BF16 + ACCUM),  # 06's collectives around the copies
 }
 # --collectives ring (scripts/perf/ring_collectives.py): the same lessons on the ring's thread
 # and handles, the stand-in wrapped around the ring's functions (installed first: _ring_installed)
@@ -46,7 +47,8 @@ CASES.update({f"{name}_ring": (lesson, argv + RING) for name, (lesson, argv) in 
 TOYS = {f"toy_{n}": (n, dict(grad_accum=3, different_init=True, bucket_mb=2e-4))  # 03, 05: ~3 buckets
         for n in ("02", "03", "05", "06")}
 TOYS["toy_06_no_prefetch"] = ("06", dict(grad_accum=3, prefetch=False))
-ASYNC = {"02", "03", "05", "06"}
+TOYS["toy_07"] = ("07", dict(grad_accum=3, different_init=True))
+ASYNC = {"02", "03", "05", "06", "07"}
 
 
 # ----------------------------------------------------------------------------- in the ranks

@@ -40,6 +40,8 @@ import tempfile
 
 from scripts.runs import LESSONS, launch, mib
 
+CHECKED = [*LESSONS, "07_offload"]  # (07 is not yet in the other tools' LESSONS)
+
 # 29,747,200 parameters, 4,096 tokens a step: big enough to time on a GPU, small enough for the
 # single-process CPU reference of 10 steps (its time on a GPU machine's CPU is not yet measured)
 MODEL = ["--n-layer", "6", "--d-model", "640", "--n-head", "10", "--seq-len", "256", "--global-batch", "16"]
@@ -54,10 +56,11 @@ QUICK = ["--n-layer", "2", "--d-model", "64", "--n-head", "2", "--seq-len", "32"
 #   there can tell a bug from round-off, so 0.1 only catches garbage (a NaN, a loss gone wild).
 # - "1 GPU" (the same training, one process on the GPU: what tells bugs in bf16). fp32: 1.9e-6 at
 #   most, 01 against another launch of itself included (CUDA's atomics, as in the embedding's
-#   backward, sum in a different order each run); 1e-4 is 50x above, room for world N's orders of
-#   summation (the CPU tests see <= 5e-7 between them). bf16: the lessons' own orders of
-#   summation, 1.1e-3 apart at most (04 and 06 against 01); 5e-3, halfway (in ratio) between that
-#   and a bug's 1e-2 rather than 10x above. Neither is measured yet at world 2 or more.
+#   backward, sum in a different order each run; 5.7e-6 in a second run); 1e-4 is 17x above, room
+#   for world N's orders of summation (the CPU tests see <= 5e-7 between them). bf16: the
+#   lessons' own orders of summation, 1.1e-3 apart at most (04 and 06 against 01), 2.4e-3 for 07
+#   (its AdamW on the CPU rounds otherwise); 5e-3, between that and a bug's 1e-2 rather than 10x
+#   above. Neither is measured yet at world 2 or more.
 TOLERANCE = {"CPU": {"fp32": 1e-3, "bf16": 1e-1}, "1 GPU": {"fp32": 1e-4, "bf16": 5e-3}}
 
 
@@ -114,7 +117,7 @@ def machine(device):
 
 def sweep(worlds, flags, env=None):
     """Every lesson at each world size, in one torchrun launch: {world: {lesson: report}}."""
-    out = launch("scripts.perf.sweep", max(worlds), ["--worlds", *worlds, "--lessons", *LESSONS, *flags], env=env)
+    out = launch("scripts.perf.sweep", max(worlds), ["--worlds", *worlds, "--lessons", *CHECKED, *flags], env=env)
     return {int(w): r["reports"] for w, r in out["worlds"].items()}
 
 
@@ -181,6 +184,18 @@ def spread(rows):
             if math.isfinite(gap) and gap >= widest.get(r["precision"], (-1.0, ""))[0]:
                 widest[r["precision"]] = (gap, f"{r['lesson']} world {r['world']}")
     return out
+
+
+def offload_line(world, precision, r):
+    """07's tiers and copies (rank 0, measured step) in one line."""
+    m, c = r["memory"]["per_rank"][0], (r.get("copies_per_rank") or [None])[0] or {}
+    tiers = " | ".join(f"{tier} {sum(m[tier][k] for k in ('params', 'grads', 'optimizer')) / 2 ** 20:.1f} MiB "
+                       f"(optimizer {m[tier]['optimizer'] / 2 ** 20:.1f})" for tier in ("device", "host") if tier in m)
+    waited = (f"; the CPU waited {c['d2h_waited_s'] * 1e3:.1f} ms for the downloads (queued GPU work included)"
+              if r.get("device") == "cuda" else " (plain copies, one memory)")
+    return (f"- 07_offload world {world} {precision}: {tiers}; copied up {c.get('h2d_bytes', 0) / 2 ** 20:.1f} MiB "
+            f"in {c.get('h2d_s', 0) * 1e3:.1f} ms, down {c.get('d2h_bytes', 0) / 2 ** 20:.1f} MiB in "
+            f"{c.get('d2h_s', 0) * 1e3:.1f} ms{waited or ''}")
 
 
 def why_failed(e):
@@ -265,7 +280,7 @@ def check(a):
         by_world = sweep(worlds, ["--device", a.device, *pflags, *(["--trace", trace] if traced else [])])
         reports[precision] = by_world
         for world in worlds:
-            for lesson in LESSONS:
+            for lesson in CHECKED:
                 rows.append(row(world, precision, lesson, by_world[world][lesson], refs))
                 print(f"  {lesson} world {world} {precision}: loss {rows[-1]['loss']:.4f}", flush=True)
     failures += [f"{r['lesson']} world {r['world']} {r['precision']} {why}" for r in rows for why in r["why"]]
@@ -280,10 +295,12 @@ def check(a):
         checks.append((f"06_zero3 saved and resumed, {moved}, against uninterrupted", why,
                        f"loss difference {diff:.1e} (tolerance {TOLERANCE['CPU']['fp32']:g})"))
     widest = spread(rows)
+    offload = [offload_line(world, p, by_world[world]["07_offload"]) for p, by_world in reports.items() for world in worlds]
     out = [f"GPU check: {where}", "", table(rows), ""]
     out += [f"- largest distance from {'the CPU' if name == 'CPU' else name}, {p}: {d:.1e} ({at}), "
             f"tolerance {TOLERANCE[name][p]:g} (docs/gpus.md: how it was set)"
             for name, by_precision in widest.items() for p, (d, at) in by_precision.items()]
+    out += offload
     out += [f"- {name}: {why or measured} {'✓' if why is None else '✗'}" for name, why, measured in checks]
     failures += [f"{name}: {why}" for name, why, _ in checks if why is not None]
     print("\n" + "\n".join(out))
