@@ -274,9 +274,10 @@ def test_gpu_check_runs_its_checks_on_cpu(tmp_path):
                           capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert len(result["rows"]) == 2 * 2 * 6  # fp32 and bf16, world 1 and 2, six lessons
+    assert len(result["rows"]) == 2 * 2 * 7  # fp32 and bf16, world 1 and 2, seven lessons (01-07)
     assert all(r["ok"] for r in result["rows"])
     assert [(c["check"].split(",")[0], c["ok"]) for c in result["checks"]] == [
         ("00_collectives at world 2", True), ("06_zero3 saved and resumed", True)]
     table = (tmp_path / "gpu_check.md").read_text()
     assert table.count("| 06_zero3 |") == 4 and "2 CPU ranks -> 1" in table
+    assert table.count("- 07_offload world ") == 4 and "(plain copies, one memory)" in table  # its tiers
