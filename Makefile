@@ -24,7 +24,7 @@ scaling: setup   ## step time, bytes sent and held per rank vs model size (~1M-5
 figures: setup   ## regenerate the README's figures from fresh runs
 	$(PY) -m scripts.perf.figures
 
-lecture: setup   ## the lecture run: 01 -> 06 at 2 ranks in one launch, one table (about 2 minutes); FIGURES=1 also redraws the README's figures; LINK=1:50 on a simulated link
+lecture: setup   ## the lecture run: 01 -> 07 at 2 ranks in one launch, one table (about 2 minutes); FIGURES=1 also redraws the README's figures; LINK=1:50 on a simulated link
 	$(PY) -m scripts.learn.lecture $(if $(filter 1 yes true,$(FIGURES)),--figures) $(if $(LINK),--link $(LINK))
 
 at-scale: setup  ## the at-scale cost model: published checks, then calibrate on this machine (~1 minute): runs/at_scale/calibration.json

@@ -1,4 +1,4 @@
-"""The lecture run prints one table: six lessons (06 twice), the same loss, issued bytes equal to
+"""The lecture run prints one table: seven lessons (06 twice), the same loss, issued bytes equal to
 theory; on torch's collectives and on the ring over a simulated link (--link).
 
 A tiny model and 3 steps keep it to one ~15 s torchrun launch each (2 ranks, all lessons)."""
@@ -18,14 +18,14 @@ def test_lecture_table(link):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    # one header line, the column titles, a rule, seven rows: nothing else
-    assert len(lines) == 10, out.stdout
+    # one header line, the column titles, a rule, eight rows: nothing else
+    assert len(lines) == 11, out.stdout
     assert ("ring collectives on a simulated 10 Gb/s, 20 us link" if link else "torch collectives") in lines[0]
     assert "Warning" not in out.stdout + out.stderr and "summary" not in out.stdout
     assert not any(l.startswith(("step ", "W", "I", "[")) for l in lines), out.stdout  # no per-step lines, no logs
-    rows = [l.split() for l in lines[3:10]]
+    rows = [l.split() for l in lines[3:11]]
     assert [r[0] for r in rows] == ["01_vanilla_dp", "02_async_allreduce", "03_buckets",
-                                    "04_zero1", "05_zero2", "06_zero3", "06_no_prefetch"]
+                                    "04_zero1", "05_zero2", "06_zero3", "06_no_prefetch", "07_offload"]
     for r in rows:
         assert r[2] == "\u2713", r  # loss equal to 01's to 4 decimals (fp32)
         comm, exposed = float(r[4]), float(r[5])  # measured on rank 0's clock (gloo): never n/a

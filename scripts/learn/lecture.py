@@ -1,12 +1,12 @@
-"""The lecture run: every lesson, 01 -> 06, at 2 ranks on CPU, in one launch, then one table.
+"""The lecture run: every lesson, 01 -> 07, at 2 ranks on CPU, in one launch, then one table.
 
     make lecture                                   # or: .venv/bin/python -m scripts.learn.lecture
     .venv/bin/python -m scripts.learn.lecture --steps 20 --n-layer 2     # any lesson flag passes through
     make lecture FIGURES=1                         # then regenerate the README's figures (make figures)
     make lecture LINK=1:50                         # on a simulated 1 Gb/s, 50 us link (--link: the ring)
 
-One torchrun launch runs all six lessons back to back (scripts/perf/sweep.py: start-up is paid once,
-about 6 s, instead of six times). The lessons' own output (per-step lines, summaries, torchrun's
+One torchrun launch runs all seven lessons back to back (scripts/perf/sweep.py: start-up is paid
+once, about 6 s, instead of seven times). The lessons' own output (per-step lines, summaries, torchrun's
 and the libraries' messages, every rank's) is captured; what is printed is one header line and
 one table. It is shown only if the run fails.
 
@@ -19,7 +19,8 @@ step (what it asked for, times the ring factor) against the ZeRO paper's 2Psi (3
 times (N-1)/N; the bytes each rank holds at rest, measured, by category, against the paper's
 formula for that stage. The issued bytes include a few extras the formula leaves out (the
 4-byte gradient-norm all-reduce, shard padding); they disappear at the printed precision.
-06 runs twice, with and without prefetching the next unit's all-gather.
+06 runs twice, with and without prefetching the next unit's all-gather. 07 holds the same bytes
+as 06's formula says for its tiers together (device and host: its own lines in its summary).
 
 With --link GBPS:LATENCY_US every lesson's collectives run on lesson 00's ring over a simulated
 link (scripts/perf/ring_collectives.py): communication then costs what it would on that link, and the exposed
@@ -44,6 +45,7 @@ def run_sweep(nproc, steps, flags):
     """All lessons in one torchrun launch; return {lesson: report}. Raise with the output if it fails."""
     lessons = available_lessons()
     lessons += [NO_PREFETCH] if "06_zero3" in lessons else []
+    lessons += ["07_offload"] if os.path.exists(os.path.join(ROOT, "07_offload.py")) else []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "sweep.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

@@ -96,6 +96,8 @@ def parse():
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: the same checks on CPU with gloo, 2 ranks (the test suite's way in)")
     p.add_argument("--out", default="runs/gpu_check", help="where the table and every report go")
+    p.add_argument("--lessons", nargs="+", default=CHECKED, choices=CHECKED, metavar="LESSON",
+                   help="only these (default: all, 01_vanilla_dp ... 07_offload)")
     a = p.parse_args()
     if a.steps < 2:
         p.error("--steps must be at least 2 (a save at step 2 is resumed)")
@@ -115,9 +117,9 @@ def machine(device):
                                        f"{torch.__version__} | CUDA {torch.version.cuda} | NCCL {nccl}")
 
 
-def sweep(worlds, flags, env=None):
-    """Every lesson at each world size, in one torchrun launch: {world: {lesson: report}}."""
-    out = launch("scripts.perf.sweep", max(worlds), ["--worlds", *worlds, "--lessons", *CHECKED, *flags], env=env)
+def sweep(worlds, lessons, flags, env=None):
+    """The lessons at each world size, in one torchrun launch: {world: {lesson: report}}."""
+    out = launch("scripts.perf.sweep", max(worlds), ["--worlds", *worlds, "--lessons", *lessons, *flags], env=env)
     return {int(w): r["reports"] for w, r in out["worlds"].items()}
 
 
@@ -277,10 +279,10 @@ def check(a):
             refs["1 GPU"] = launch("01_vanilla_dp", 1, [*pflags, "--device", "cuda"])["losses"]
         trace = tempfile.mkdtemp(prefix="gpu_check_trace_")
         traced = a.device == "cuda" and ngpu >= 2  # overlap from kernel times (gloo: the CPU clock)
-        by_world = sweep(worlds, ["--device", a.device, *pflags, *(["--trace", trace] if traced else [])])
+        by_world = sweep(worlds, a.lessons, ["--device", a.device, *pflags, *(["--trace", trace] if traced else [])])
         reports[precision] = by_world
         for world in worlds:
-            for lesson in CHECKED:
+            for lesson in a.lessons:
                 rows.append(row(world, precision, lesson, by_world[world][lesson], refs))
                 print(f"  {lesson} world {world} {precision}: loss {rows[-1]['loss']:.4f}", flush=True)
     failures += [f"{r['lesson']} world {r['world']} {r['precision']} {why}" for r in rows for why in r["why"]]
@@ -295,7 +297,8 @@ def check(a):
         checks.append((f"06_zero3 saved and resumed, {moved}, against uninterrupted", why,
                        f"loss difference {diff:.1e} (tolerance {TOLERANCE['CPU']['fp32']:g})"))
     widest = spread(rows)
-    offload = [offload_line(world, p, by_world[world]["07_offload"]) for p, by_world in reports.items() for world in worlds]
+    offload = [offload_line(world, p, by_world[world]["07_offload"]) for p, by_world in reports.items()
+               for world in worlds if "07_offload" in a.lessons]
     out = [f"GPU check: {where}", "", table(rows), ""]
     out += [f"- largest distance from {'the CPU' if name == 'CPU' else name}, {p}: {d:.1e} ({at}), "
             f"tolerance {TOLERANCE[name][p]:g} (docs/gpus.md: how it was set)"
