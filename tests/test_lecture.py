@@ -29,7 +29,9 @@ def test_lecture_table(link):
     for r in rows:
         assert r[2] == "\u2713", r  # loss equal to 01's to 4 decimals (fp32)
         comm, exposed = float(r[4]), float(r[5])  # measured on rank 0's clock (gloo): never n/a
-        assert 0 < exposed <= comm + 1e-6, r
+        # (printed to 0.1 ms: over loopback a bucket's all-reduce can be done before its wait,
+        # and its exposed time print as 0.0, as 03's once did here)
+        assert 0 <= exposed <= comm + 0.05 + 1e-6, r
         sent, sent_th, *held = r[6:]
         # issued vs theory, at the printed precision (MiB, 3 decimals): sent exactly; params,
         # grads, optim within one unit of the last digit, as padding and AdamW's 4-byte step

@@ -39,6 +39,7 @@ def table(w, cluster, worlds, stages):
              f"{'GPUs':>6} {'stage':<17}{'compute':>9}{'optim':>7}{'AR':>7}{'RS':>7}{'AG':>7}{'hidden':>8}"
              f"{'exposed':>8}{'step':>8}{'tok/s/GPU':>10}{'MFU':>6}  memory GB (states+act+buf)  fits {g.memory / GB:.0f} GB",
              f"{'':>6} {'':<17}{'ms':>9}{'ms':>7}{'ms':>7}{'ms':>7}{'ms':>7}{'ms':>8}{'ms':>8}{'ms':>8}"]
+    notes = []
     for n in worlds:
         for name in stages:
             r = step(w, STAGES[name], n, cluster)
@@ -49,7 +50,13 @@ def table(w, cluster, worlds, stages):
                 + f"{r['hidden_s'] * 1e3:>8.0f}{r['exposed_s'] * 1e3:>8.0f}{r['step_s'] * 1e3:>8.0f}"
                 f"{r['tokens_per_s']:>10,.0f}{r['mfu']:>6.0%}  {mem['total'] / GB:>7.1f} = {mem['states'] / GB:.1f}"
                 f"+{mem['activations'] / GB:.1f}+{mem['buffers'] / GB:.1f}  {'yes' if mem['total'] <= g.memory else 'NO'}")
-    return "\n".join(lines)
+            if STAGES[name].offload:  # 07: what the host holds and what crosses PCIe
+                cp = r["copies"]
+                notes.append(f"{name} at {n} GPUs: the host holds {mem['host'] / GB:.1f} GB per GPU; over PCIe "
+                             f"{cp['up_s'] * 1e3:.0f} ms up and {cp['down_s'] * 1e3:.0f} ms down per step, "
+                             f"{cp['exposed_s'] * 1e3:.0f} ms of it exposed; the optimizer on the CPU "
+                             f"{r['optimizer_s'] * 1e3:.0f} ms, not hidden")
+    return "\n".join(lines + notes)
 
 
 # ----------------------------------------------------------------------------- published numbers

@@ -10,6 +10,8 @@ is the command line, calibrates it on this machine and checks it against publish
                 (simulate): buckets, units, gradients as 02, 03, 05, 06 issue them; on a CPU
                 rank the ring's own work shares the compute's core, the link's time hides
     memory      theory.py's model states + Korthikanti et al. 2022's activations + working buffers
+    offload     07: my shard up and my gradient shard down over PCIe beside the compute, the
+                optimizer on the host's CPU; the device keeps only my shard in bf16
 """
 from dataclasses import dataclass
 
@@ -76,6 +78,14 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Host:
+    """What 07 (offload) uses beside each GPU: PCIe, bytes/s each way, and the CPU's AdamW,
+    parameters/s, that GPU's share of the host's cores."""
+    pcie: float
+    adam: float
+
+
+@dataclass(frozen=True)
 class Cluster:
     gpu: GPU
     gpus_per_node: int
@@ -85,6 +95,7 @@ class Cluster:
     overlap: float = 1.0      # share of a collective that hides behind compute beside it (GPUs: 1)
     core_share: float = None  # a CPU rank: while its compute runs, the transport's work (the links'
     # cpu part) gets this share of a core; None: a core of its own (GPUs: the NIC, NVLink)
+    host: Host = None         # for offload (07)
 
 
 # Datasheets (dense BF16, no sparsity; memory; memory bandwidth): NVIDIA H100 Tensor Core GPU
@@ -110,13 +121,20 @@ RING_STEP_LATENCY = {"nvlink4": 3.4e-6, "nvlink3": 3.4e-6, "ndr400": 14e-6, "hdr
 EFFICIENCY = 0.40
 
 
+# Measured on one H100 of this project's (docs/gpus.md, make gpu-check): 07 copied 113.5 MiB up in
+# 2.3 ms over PCIe Gen5 x16, ~52 GB/s (64 GB/s line rate); its CPU AdamW (torch's foreach, 16
+# cores) stepped 29.7M parameters in ~33 ms, ~0.9e9 parameters/s, taken here as one GPU's share
+# of its host. A100: PCIe Gen4 x16, half the line rate; the same CPU. Assumptions, not datasheets.
+HOSTS = {"gen5": Host(pcie=52e9, adam=0.9e9), "gen4": Host(pcie=26e9, adam=0.9e9)}
+
+
 def nccl_link(kind):
     return Link({op: BUS_EFFICIENCY * LINE_RATE[kind] for op in OPS}, {op: RING_STEP_LATENCY[kind] for op in OPS})
 
 
-CLUSTERS = {"h100": Cluster(GPUS["h100"], 8, nccl_link("nvlink4"), nccl_link("ndr400"), EFFICIENCY),
-            "h200": Cluster(GPUS["h200"], 8, nccl_link("nvlink4"), nccl_link("ndr400"), EFFICIENCY),
-            "a100": Cluster(GPUS["a100"], 8, nccl_link("nvlink3"), nccl_link("hdr200"), EFFICIENCY)}
+CLUSTERS = {"h100": Cluster(GPUS["h100"], 8, nccl_link("nvlink4"), nccl_link("ndr400"), EFFICIENCY, host=HOSTS["gen5"]),
+            "h200": Cluster(GPUS["h200"], 8, nccl_link("nvlink4"), nccl_link("ndr400"), EFFICIENCY, host=HOSTS["gen5"]),
+            "a100": Cluster(GPUS["a100"], 8, nccl_link("nvlink3"), nccl_link("hdr200"), EFFICIENCY, host=HOSTS["gen4"])}
 
 
 @dataclass(frozen=True)
@@ -148,13 +166,15 @@ class Stage:
     per_tensor: bool = False   # one collective per gradient tensor (01, 02), else per bucket / unit
     in_flight: int = 0         # at most this many reduces in flight: the next waits for the oldest (0: any)
     norm_all_reduce: bool = False  # clipping sharded gradients: one scalar all-reduce after backward
+    offload: bool = False      # 07: ZeRO-3 with the optimizer on the host (cluster.host)
 
 
 STAGES = {"dp": Stage(0, "all_reduce"),
           "zero1": Stage(1, "reduce_scatter", gather="step"),   # DeepSpeed stage 1, overlap_comm
           "zero2": Stage(2, "reduce_scatter", gather="step"),
           "zero3": Stage(3, "reduce_scatter", gather="units", prefetch=True),
-          "zero3-noprefetch": Stage(3, "reduce_scatter", gather="units", prefetch=False)}
+          "zero3-noprefetch": Stage(3, "reduce_scatter", gather="units", prefetch=False),
+          "zero3-offload": Stage(3, "reduce_scatter", gather="units", prefetch=True, offload=True)}
 # the lessons themselves, for the calibrations on this machine: 01 all-reduces every gradient after
 # backward, 02 each one from its hook (async), 03 by bucket; 04-06 clip over shards (a scalar
 # all-reduce); 05 keeps two reduce-scatters in flight, 06 one (it waits for the last unit's first)
@@ -264,6 +284,8 @@ def memory(w, stage, world):
     flight; ZeRO-3: the units gathered at once, current + prefetched, and one unit's gradient)."""
     psi, elem, grad = w.model.params, _elem(w), w.reduce_bytes or _elem(w)
     states = theory_memory(STRATEGY[stage.zero], psi, world, w.precision)["total"]
+    if stage.offload:  # 07: the device keeps my shard in the working precision; the host the rest
+        states = elem * psi / world
     if stage.gather == "units":
         biggest = max(_units(w.model))
         buffers = (2 if stage.prefetch else 1) * biggest * elem + biggest * grad
@@ -271,7 +293,31 @@ def memory(w, stage, world):
         buffers = min(2 * w.bucket_mb * 2 ** 20, psi * grad)
     out = {"states": states, "activations": activation_bytes(w), "buffers": buffers}
     out["total"] = sum(out.values())
+    if stage.offload:  # in host memory: fp32 masters, their gradients, two moments
+        out["host"] = 16 * psi / world
     return out
+
+
+def offload_copies(w, world, host, fwd, bwd, share):
+    """07's copies over PCIe, in seconds: (up, down, exposed). Up: every unit's shard, queued at
+    forward's start in unit order, a unit's forward waiting for its own; down: each block's
+    gradient shard once its backward is over, the root's (the embedding) last, after backward.
+    H2D and D2H are separate engines; the copies run beside the compute, not on its time."""
+    sizes = [u / world for u in _units(w.model)]
+    up = [n * _elem(w) / host.pcie for n in sizes]
+    down = [n * (w.reduce_bytes or _elem(w)) / host.pcie for n in sizes]
+    copied = done = 0.0
+    for i, s in enumerate(up):  # forward, unit by unit
+        copied += s
+        done = max(done, copied) + fwd * share[i]
+    exposed = done - fwd
+    done = copied = 0.0
+    for i in [0] + list(range(len(sizes) - 1, 0, -1)):  # backward: the head first, the root's reduce last
+        done += bwd * share[i]
+        if i:
+            copied = max(copied, done) + down[i]
+    exposed += max(copied, done) + down[0] - done
+    return sum(up), sum(down), exposed
 
 
 # ----------------------------------------------------------------------------- one step
@@ -340,6 +386,8 @@ def step(w, stage, world, cluster):
     head = 6 * (m.root - m.lookup) / flops_per_token(m, w.seq)  # the root's compute: the head's matmul
     share = [head] + [(1 - head) / m.layers] * m.layers
     opt = ADAM_BYTES[w.precision] * (m.params / world if stage.zero else m.params) / cluster.gpu.mem_bw
+    if stage.offload:  # 07: AdamW on the host's CPU, my shard's parameters
+        opt = m.params / world / cluster.host.adam
     comm = {op: {"calls": 0, "bytes": 0.0, "s": 0.0} for op in OPS}
     times = {}  # (op, size) -> (own, copy, wire) s: a big model's DP step has thousands of equal buckets
     program, pending = [], []  # the main thread's program; reduces not yet waited for, oldest first
@@ -427,9 +475,14 @@ def step(w, stage, world, cluster):
     exposed = cluster.overlap * blocked + (1 - cluster.overlap) * comm_s
     compute_s = fwd + bwd
     step_s = end - blocked + exposed  # compute, optimizer, exposed
+    up = down = copies_exposed = 0.0
+    if stage.offload:
+        up, down, copies_exposed = offload_copies(w, world, cluster.host, fwd, bwd, share)
+        step_s += copies_exposed
     return {"stage": stage, "world": world, "compute_s": compute_s, "forward_s": fwd, "backward_s": bwd,
             "optimizer_s": opt, "comm": comm, "comm_s": comm_s, "exposed_s": exposed,
             "hidden_s": max(0.0, comm_s - exposed), "step_s": step_s,
             "tokens_per_s": tokens / step_s,  # per GPU
             "mfu": model_flops / step_s / cluster.gpu.flops,
-            "memory": memory(w, stage, world)}
+            "memory": memory(w, stage, world),
+            "copies": {"up_s": up, "down_s": down, "exposed_s": copies_exposed}}  # 07's; zero otherwise
