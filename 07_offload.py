@@ -156,7 +156,9 @@ class ZeRO3Offload(zero3.ZeRO3):
         """06's, at the end of backward: my gradient shard in fp32, on the host once it landed."""
         if unit.download is not None:
             t0 = time.perf_counter()
-            unit.download.synchronize()  # the CPU reads it next: wait for the copy itself
+            # the CPU reads it next: wait for the copy itself (and, the copy stream running in
+            # order, for every upload queued before it: the optimizer may then write the shards)
+            unit.download.synchronize()
             self.copied["d2h_waited_s"] += time.perf_counter() - t0
             unit.download = None
         return unit.grad_shard.float()

@@ -60,8 +60,8 @@ class Run:
             with trace, self.comm.measuring(), self._memory_probe():
                 yield micro_losses
                 self._sync()  # inside the window: the GPU's work of this step is in it
-            self.copies = {k: sum(h.counters()[k] - b[k] for h, b in zip(self.counted, before))
-                           for k in (before[0] if before else ())} or None
+            after = [h.counters() for h in self.counted]
+            self.copies = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in (before[0] if before else ())} or None
             if self.cuda:
                 self.cuda_step_peak = torch.cuda.max_memory_allocated()
         else:

@@ -30,12 +30,12 @@ def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
     """Bytes per rank for each model state, ZeRO paper Figure 1 / Table 1; and `peak_grads`, the
     most gradient bytes alive during backward: `in_flight` bytes (buckets_in_flight) on top of the
     gradients at rest."""
+    tiers = theory_tiers(psi, world, precision)  # (07's: its device keeps the working precision)
+    if strategy in ("zero3", "torch_fsdp2", "offload"):  # FSDP2's convention: bf16 only in flight;
+        precision = "fp32"  # at rest fp32 shards (the master weights), fp32 gradient shards, 2 moments
     out = {k: psi * b / world if k in SHARDED[strategy] else psi * b for k, b in STATE_BYTES[precision].items()}
-    if strategy == "offload":  # 07: both tiers (theory_tiers)
-        out = {k: sum(tier[k] for tier in theory_tiers(psi, world, precision).values()) for k in out}
-    if strategy in ("zero3", "torch_fsdp2"):  # FSDP2's convention: bf16 only in flight; at rest
-        precision = "fp32"  # fp32 shards (the master weights), fp32 gradient shards, 2 moments
-        out = {k: psi * b / world for k, b in STATE_BYTES[precision].items()}
+    if strategy == "offload":  # 07: both tiers
+        out = {k: tiers["device"][k] + tiers["host"][k] for k in out}
     if precision == "bf16" and grad_accum > 1 and strategy in ACCUMULATE_FP32:  # ddp.FP32Accumulation
         out["grads"] += 4 * psi  # the fp32 sum of the micro-steps, beside the bf16 gradient it rounds into
     out["peak_params"] = out["params"]  # ZeRO-3 adds the gathered units in flight

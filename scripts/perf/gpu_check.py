@@ -191,12 +191,12 @@ def spread(rows):
 def offload_line(world, precision, r):
     """07's tiers and copies (rank 0, measured step) in one line."""
     m, c = r["memory"]["per_rank"][0], (r.get("copies_per_rank") or [None])[0] or {}
-    tiers = " | ".join(f"{tier} {sum(m[tier][k] for k in ('params', 'grads', 'optimizer')) / 2 ** 20:.1f} MiB "
-                       f"(optimizer {m[tier]['optimizer'] / 2 ** 20:.1f})" for tier in ("device", "host") if tier in m)
+    tiers = " | ".join(f"{tier} {mib(sum(m[tier][k] for k in ('params', 'grads', 'optimizer'))):.1f} MiB "
+                       f"(optimizer {mib(m[tier]['optimizer']):.1f})" for tier in ("device", "host") if tier in m)
     waited = (f"; the CPU waited {c['d2h_waited_s'] * 1e3:.1f} ms for the downloads (queued GPU work included)"
               if r.get("device") == "cuda" else " (plain copies, one memory)")
-    return (f"- 07_offload world {world} {precision}: {tiers}; copied up {c.get('h2d_bytes', 0) / 2 ** 20:.1f} MiB "
-            f"in {c.get('h2d_s', 0) * 1e3:.1f} ms, down {c.get('d2h_bytes', 0) / 2 ** 20:.1f} MiB in "
+    return (f"- 07_offload world {world} {precision}: {tiers}; copied up {mib(c.get('h2d_bytes', 0)):.1f} MiB "
+            f"in {c.get('h2d_s', 0) * 1e3:.1f} ms, down {mib(c.get('d2h_bytes', 0)):.1f} MiB in "
             f"{c.get('d2h_s', 0) * 1e3:.1f} ms{waited or ''}")
 
 
