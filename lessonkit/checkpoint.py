@@ -202,14 +202,22 @@ class Checkpointer:
 
     def resume(self):
         """With --resume: load the newest complete checkpoint and return its step, the next step
-        to run (the data is indexed by step, so that is also the position in the data); else 0."""
+        to run (the data is indexed by step, so that is also the position in the data); else 0.
+        --resume auto: the same if there is one, else 0; so one command serves a job's first run
+        and torchrun's restarts of it (--max-restarts), whose workers run that command again."""
         a = self.args
         if not a.resume:
             if a.save_every and _steps(a.checkpoint_dir):  # --resume would later mix two runs' files
                 raise CheckpointError(f"--checkpoint-dir {a.checkpoint_dir} already holds checkpoints: "
                                       "add --resume to continue from them, or choose another directory")
             return 0
-        self.path = latest(a.checkpoint_dir)
+        found = [latest(a.checkpoint_dir)]  # (an interrupted save has no COMPLETE: the one before it)
+        dist.broadcast_object_list(found, src=0)  # rank 0's: no rank starts fresh while others load
+        self.path = found[0]
+        if self.path is None and a.resume == "auto":
+            if self.env.master:
+                print(f"--resume auto: no complete checkpoint in {a.checkpoint_dir}: starting at step 0", flush=True)
+            return 0
         if self.path is None:
             raise CheckpointError(f"--resume: no complete checkpoint in {a.checkpoint_dir}")
         meta = load(self.path, self.module, self.holder, check=self._check)

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lessonkit.lifecycle import WATCHDOG_S, fail, say, start_heartbeat
+from lessonkit.lifecycle import WATCHDOG_S, fail, restart_advice, say, start_heartbeat
 from model import GPT, GPTConfig
 from scripts.perf import ring_collectives
 
@@ -26,6 +26,12 @@ warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.di
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line from rank 0, not a usage block from every rank
         fail(message)
+
+
+def _auto(value):  # --resume alone is True: a checkpoint must be there; --resume auto: if there is one
+    if value != "auto":
+        raise argparse.ArgumentTypeError(f"expected auto or nothing, got {value!r}")
+    return value
 
 
 def build_parser(description=""):
@@ -68,8 +74,9 @@ def build_parser(description=""):
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                    help="DIR/step_NNNNNN/: each rank's shard, meta.json, COMPLETE")
     g.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps; 0 never")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in --checkpoint-dir, at any world size")
+    g.add_argument("--resume", nargs="?", const=True, default=False, type=_auto, metavar="auto",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, at any world size; "
+                        "auto: from it if there is one, else from step 0 (a job script under torchrun --max-restarts)")
     g = p.add_argument_group("run-time and measurement")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA (nccl) when every rank on the node has a GPU, else CPU (gloo)")
@@ -168,6 +175,8 @@ def init_distributed(args) -> Dist:
             fail(str(e))
         if why and int(os.environ.get("RANK", "0")) == 0:
             say(f"device: cpu, as --device auto found {why}")
+        if restart_advice() and int(os.environ.get("RANK", "0")) == 0:  # (under torchrun --max-restarts)
+            say(restart_advice())
     if ring and "cuda" in (args.device, kind):  # (kind: a group made elsewhere on nccl)
         fail("--collectives ring sends over gloo on the CPU (--device cpu); on CUDA, NCCL's collectives are the wire")
     device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")

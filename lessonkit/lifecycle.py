@@ -2,7 +2,8 @@
 
 run_main(main) turns an expected failure (a bad flag, a lost peer, a timeout) into one line per
 rank and a non-zero exit, never a traceback or a hang; exit_process() leaves without the
-interpreter teardown that sometimes aborts gloo; the heartbeat names the peer that is gone.
+interpreter teardown that sometimes aborts gloo; the heartbeat names the peer that is gone;
+restart_advice() warns of a torchrun set-up whose restarts may fail (docs/checkpoints.md).
 """
 import os
 import signal
@@ -30,6 +31,18 @@ def fail(message, code=2):
         signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
         time.sleep(2)
     exit_process(code)
+
+
+def restart_advice():
+    """A line for a job torchrun may restart (--max-restarts) in the store it shares with its
+    workers (torch's default since 2.5), else None. That store outlives every attempt, with the
+    addresses the last attempt's ranks left in it: a restarted rank may read one before rank 0
+    rewrites it, then fail to connect or hang (gloo, torch 2.13: 3 restarts of 6 here; NCCL:
+    pytorch/pytorch#135712). With the variable set, each attempt gets a new store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        return ("warning: torchrun --max-restarts with its shared store: a restart may read the last attempt's "
+                "addresses and fail or hang (pytorch/pytorch#135712); run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    return None
 
 
 # ----------------------------------------------------------------------------- the heartbeat
