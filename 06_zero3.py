@@ -25,10 +25,19 @@ gradient to accumulate into). Shaped like FSDP2: `parameters()` are my shards, f
 weights any torch.optim optimizer updates; a MixedPrecisionPolicy casts them to param_dtype in
 each all-gather and reduce-scatters in reduce_dtype. At rest: (4 + 4 + 8) Psi / N bytes.
 
+With --activation-checkpointing block each block keeps only its input and recomputes itself in
+backward (model.py). The checkpoint sits inside the unit: the unit's hooks wrap the block's
+call, and the recomputation runs inside the unit's backward, after 4) has gathered it, so the
+step still sends 3 Psi (N-1)/N. Wrapped the other way round (the unit inside a checkpoint), the
+recomputation would call the unit itself again in the middle of backward: its forward hooks
+would gather and free it outside the schedule (with two blocks, 7 all-gathers a step instead of
+6: no longer 3 Psi). So with FSDP2 one checkpoints a block first, then calls fully_shard on it.
+
     python 06_zero3.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 06_zero3.py                  # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=2 06_zero3.py --prefetch 0     # no prefetch: measure what it buys
     torchrun --nproc_per_node=2 06_zero3.py --precision bf16 # gather, compute, reduce in bf16
+    torchrun --nproc_per_node=2 06_zero3.py --activation-checkpointing block  # recompute blocks
     torchrun --nproc_per_node=4 06_zero3.py --device cuda    # 4 GPUs (nccl)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 06_zero3.py         # 2 nodes, run on each
@@ -68,6 +77,7 @@ class Unit:
         numel = sum(p.numel() for p in params)
         self.numel_padded = math.ceil(numel / world_size) * world_size
         self.shard_numel = self.numel_padded // world_size
+        self.start = rank * self.shard_numel  # my slice: [start, start + shard_numel)
         # the whole unit, once, to initialise it: keep_my_shard keeps my slice and frees it
         device = device or params[0].device
         self.flat_param = torch.zeros(self.numel_padded, dtype=params[0].dtype, device=device)  # padding: 0
@@ -94,7 +104,7 @@ class Unit:
     def keep_my_shard(self, param_dtype):
         """Keep my slice of the initialised unit; from now on the whole unit exists only while
         gathered, in param_dtype."""
-        start = self.rank * self.shard_numel
+        start = self.start
         self.shard = self.flat_param[start:start + self.shard_numel].clone()
         self.sharded, self.ranges = [], []
         for p, offset in zip(self.params, self.offsets):
@@ -167,6 +177,7 @@ class ZeRO3(nn.Module):
                     param_init_fn(m, prefix[m])  # the values it would get in the whole model
                 elif not params[0].is_meta:  # ranks may start from different weights: rank 0's
                     dist.broadcast(unit.flat_param, src=0)
+            self._place(unit)  # (07 may place a unit whole on one rank, to measure why not)
             unit.keep_my_shard(self.param_dtype)  # and free the full unit before the next one
             self.units.append(unit)
         self.shard_of = {p: s for u in self.units for p, s in zip(u.params, u.sharded)}
@@ -208,6 +219,9 @@ class ZeRO3(nn.Module):
             unit.gather_work.wait()
             unit.gather_work = None
         # ### END SOLUTION
+
+    def _place(self, unit):  # 06 cuts every unit evenly over all ranks (Unit's start, shard_numel)
+        pass
 
     def _gather_input(self, unit, dtype):  # (07 keeps a copy of it on the device instead)
         return unit.shard.to(dtype)  # (fp32: the shard itself)
@@ -366,7 +380,7 @@ def checkpoint_shards(model, optimizer, names):
     out = []
     for u in model.units:
         for p, shard, offset, (lo, hi) in zip(u.params, u.sharded, u.offsets, u.ranges):
-            first = u.rank * u.shard_numel + lo - offset  # the element of p my shard starts at
+            first = u.start + lo - offset  # the element of p my shard starts at
             stepped = p.requires_grad and hi > lo
             tensors = {"param": (first, shard), **({"master": (first, shard)} if stepped else {})}
             out.append(checkpoint.FlatShard([(names[p], p.numel())], tensors, owned=(first, first + hi - lo),

@@ -17,18 +17,21 @@ precision (2 Psi / N bytes in bf16), and a unit's whole parameters and gradient 
 
 Per step each rank copies Psi / N parameters up and Psi / N gradients down, in the working
 precision: DeepSpeed's "2x the model's size over PCIe every step", divided by N. Every unit is cut
-evenly over all ranks (06's shards), so every rank copies the same bytes at the same time. Had
-each unit gone to one rank whole (as ZeRO-Offload's first chunk layouts did), the rank holding
-the largest (the embedding) would copy the most, and every other rank would wait for it.
+evenly over all ranks (06's shards), so every rank copies the same bytes at the same time.
+`--layout uneven` runs the older layout instead, to measure it: each unit whole on one rank (as
+ZeRO-Offload's first chunk layouts and ColossalAI's before its even chunks), so the rank owning
+the largest units holds, copies and steps the most, and every other rank waits for it.
 
 On CUDA the host tier is pinned memory, so the copies are asynchronous DMA beside the kernels,
-and the summary says how much of the copy time the CPU waited for. On a CPU-only machine both
+and the summary says how much of the copy time was hidden: CUDA events time how long a gather
+waited for its upload and the optimizer for the last download. On a CPU-only machine both
 tiers are the same memory: the lesson runs the same schedule with plain copies, and says so.
 
     python 07_offload.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 07_offload.py                  # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=2 07_offload.py --precision bf16 # 2 bytes per parameter on the device
     torchrun --nproc_per_node=4 07_offload.py --device cuda    # 4 GPUs (nccl), pinned host memory
+    torchrun --nproc_per_node=2 07_offload.py --layout uneven --vocab-size 8192  # the older layout
 
 PyTorch: FSDP2 `fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=True))`;
 DeepSpeed: ZeRO-Offload (`offload_optimizer: {device: cpu}`).
@@ -38,6 +41,7 @@ import importlib
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy  # FSDP2's own (pin_memory)
 
@@ -60,13 +64,15 @@ class ZeRO3Offload(zero3.ZeRO3):
     all-gather sends. `copied` counts the bytes and seconds of the copies each way.
     """
 
-    def __init__(self, module, units=(), mp_policy=None, offload_policy=None, **kwargs):
+    def __init__(self, module, units=(), mp_policy=None, offload_policy=None, layout="even", **kwargs):
+        self.layout = layout  # "uneven": each unit whole on one rank (see _place), to measure why not
         super().__init__(module, units, mp_policy, **kwargs)
         device = self.units[0].shard.device
         self.pin = getattr(offload_policy, "pin_memory", True) and device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.copied = dict.fromkeys(("h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "d2h_waited_s"), 0)
-        self.timed = []  # (direction, start, end): CUDA events of the copies not yet added up
+        # bytes and seconds each way; exposed_s: the copy time nothing else ran beside
+        self.copied = dict.fromkeys(("h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "exposed_s"), 0)
+        self.timed = []  # (what, start, end): CUDA events not yet added up
         for unit in self.units:
             # the device keeps my shard in param_dtype only: what the all-gather sends
             unit.device_params = unit.shard.to(self.param_dtype or unit.shard.dtype)  # (shard_numel,)
@@ -83,6 +89,37 @@ class ZeRO3Offload(zero3.ZeRO3):
         CPU-only machine both are this memory, told apart by role."""
         return [t for u in self.units for t in (u.device_params, u.flat_param, u.flat_grad) if t is not None]
 
+    # ------------------------------------------------------------------ the older, uneven layout
+    def _place(self, unit):
+        """--layout uneven: unit i whole on rank i mod N, as chunks went to ranks in ZeRO-Offload's
+        first layouts (and ColossalAI's before its even chunks): its owner alone keeps, copies
+        and steps it, broadcasts it to the others (1) and has its gradient reduced to it (5). The
+        rank owning the most copies and steps the most, and every other rank waits for it."""
+        unit.owner = unit.index % self.world_size
+        if self.layout == "uneven":
+            unit.start, unit.shard_numel = 0, unit.numel_padded if self.rank == unit.owner else 0
+
+    def _unshard(self, unit, wait=True):
+        if self.layout == "even" or unit.flat_param.untyped_storage().size() > 0:
+            return super()._unshard(unit, wait)  # (06's waits for a broadcast on its way too)
+        unit.flat_param.untyped_storage().resize_(unit.flat_param.numel() * unit.flat_param.element_size())
+        if self.rank == unit.owner:
+            unit.flat_param.copy_(self._gather_input(unit, unit.flat_param.dtype))
+        unit.gather_work = dist.broadcast(unit.flat_param, src=unit.owner, async_op=True)
+        super()._unshard(unit, wait)
+
+    def _reduce_scatter(self, unit):
+        if self.layout == "even":
+            return super()._reduce_scatter(unit)
+        self._wait_reduce_scatters()
+        grad = unit.flat_grad
+        if grad is None:  # no gradient reached this unit here: it still takes part
+            grad = torch.zeros(unit.numel_padded, dtype=self.reduce_dtype or unit.flat_param.dtype,
+                               device=unit.device_params.device)
+        work = dist.reduce(grad.div_(self.world_size), dst=unit.owner, async_op=True)  # the mean, to its owner
+        self.grads_in_flight.append((unit, work, grad if self.rank == unit.owner else grad[:0]))
+        unit.reduced = True
+
     # ------------------------------------------------------------------ the copies
     def _copy(self, direction, dst, src):
         """dst.copy_(src), counted; returns what marks its end. On CUDA it runs on the copy
@@ -91,7 +128,8 @@ class ZeRO3Offload(zero3.ZeRO3):
         if self.copy_stream is None:
             t0 = time.perf_counter()
             dst.copy_(src)
-            self.copied[f"{direction}_s"] += time.perf_counter() - t0
+            for key in (f"{direction}_s", "exposed_s"):  # the CPU copies, and does nothing else
+                self.copied[key] += time.perf_counter() - t0
             return None
         # after all the current stream has queued (whatever last wrote src or read dst), then
         # without blocking the CPU; an event after it marks its end
@@ -104,10 +142,17 @@ class ZeRO3Offload(zero3.ZeRO3):
         self.timed.append((direction, start, end))
         return end
 
+    def _exposed(self, copy_end):
+        """CUDA: the time from now on the compute stream (what it has queued done) to copy_end,
+        if later: how long a copy kept what waits for it waiting."""
+        now = torch.cuda.Event(enable_timing=True)
+        now.record()
+        self.timed.append(("exposed", now, copy_end))
+
     def counters(self):
         """What `copied` holds now, the CUDA copies' times added up (call it with the GPU idle)."""
-        for direction, start, end in self.timed:
-            self.copied[f"{direction}_s"] += start.elapsed_time(end) / 1e3
+        for what, start, end in self.timed:
+            self.copied[f"{what}_s"] += max(start.elapsed_time(end), 0) / 1e3
         self.timed = []
         return dict(self.copied)
 
@@ -131,6 +176,7 @@ class ZeRO3Offload(zero3.ZeRO3):
     def _gather_input(self, unit, dtype):
         """06's: what the all-gather sends, my shard on the device, once its upload has landed."""
         if unit.upload is not None:
+            self._exposed(unit.upload)  # the gather (and all computing after it) waits this long
             torch.cuda.current_stream().wait_event(unit.upload)  # the GPU waits, not the CPU
             unit.upload = None
         return unit.device_params.to(dtype)
@@ -155,11 +201,10 @@ class ZeRO3Offload(zero3.ZeRO3):
     def _reduced_grad(self, unit):
         """06's, at the end of backward: my gradient shard in fp32, on the host once it landed."""
         if unit.download is not None:
-            t0 = time.perf_counter()
+            self._exposed(unit.download)  # backward's compute is done: the optimizer waits this long
             # the CPU reads it next: wait for the copy itself (and, the copy stream running in
             # order, for every upload queued before it: the optimizer may then write the shards)
             unit.download.synchronize()
-            self.copied["d2h_waited_s"] += time.perf_counter() - t0
             unit.download = None
         return unit.grad_shard.float()
 
@@ -172,7 +217,8 @@ class ZeRO3Offload(zero3.ZeRO3):
 # ----------------------------------------------------------------------------- training
 def build_model(args, env):
     """06's GPT under ZeRO-3, with my shards offloaded to the host."""
-    return zero3.build_model(args, env, ZeRO3Offload, offload_policy=CPUOffloadPolicy(pin_memory=True))
+    return zero3.build_model(args, env, ZeRO3Offload, offload_policy=CPUOffloadPolicy(pin_memory=True),
+                             layout=args.layout)  # --layout uneven: the older one, measured
 
 
 def main(argv=None):

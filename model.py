@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -26,6 +27,7 @@ class GPTConfig:
     n_layer: int = 4
     d_model: int = 128
     n_head: int = 4
+    activation_checkpointing: str = "none"  # "block": each block recomputed in backward
 
 
 class CausalSelfAttention(nn.Module):
@@ -60,8 +62,17 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
+        self.recompute = cfg.activation_checkpointing == "block"
 
     def forward(self, x):
+        if self.recompute and torch.is_grad_enabled():
+            # Keep only x: backward runs compute(x) again to rebuild what it needs (non-reentrant:
+            # autograd and hooks as usual). The block's own hooks (06's gather and free) run once,
+            # around this call; the recomputation happens inside the block's backward.
+            return checkpoint(self.compute, x, use_reentrant=False)
+        return self.compute(x)
+
+    def compute(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 

@@ -18,9 +18,9 @@ _COLLECTIVES = {
     "all_reduce": ("all_reduce", "tensor"),
     "reduce_scatter_single": ("reduce_scatter", "input"), "reduce_scatter_tensor": ("reduce_scatter", "input"),
     "all_gather_single": ("all_gather", "output_tensor"), "all_gather_into_tensor": ("all_gather", "output_tensor"),
-    "broadcast": ("broadcast", "tensor"),
+    "broadcast": ("broadcast", "tensor"), "reduce": ("reduce", "tensor"),  # (07's uneven layout)
 }
-_UNMETERED = ["all_gather", "reduce_scatter", "reduce", "all_to_all_single", "gather", "scatter"]
+_UNMETERED = ["all_gather", "reduce_scatter", "all_to_all_single", "gather", "scatter"]
 
 
 class CommMeter:

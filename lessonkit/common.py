@@ -48,6 +48,8 @@ def build_parser(description=""):
     g.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     g.add_argument("--d-model", type=int, default=128, help="width of the residual stream")
     g.add_argument("--n-head", type=int, default=4, help="attention heads (must divide --d-model)")
+    g.add_argument("--activation-checkpointing", choices=["none", "block"], default="none",
+                   help="block: keep each transformer block's input only, recompute the block in backward")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--weight-decay", type=float, default=0.1,
@@ -64,6 +66,8 @@ def build_parser(description=""):
     g.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (03, 05)")
     g.add_argument("--prefetch", type=int, choices=[0, 1], default=1,
                    help="06: all-gather the next unit while this one computes")
+    g.add_argument("--layout", choices=["even", "uneven"], default="even",
+                   help="07: every unit cut evenly over all ranks, or each whole on one rank (the older layout)")
     g.add_argument("--collectives", choices=["torch", "ring"], default=None,
                    help="torch (default): the backend's own collectives; ring: lesson 00's ring of sends "
                         "(scripts/perf/ring_collectives.py), whose bytes on the wire are the ZeRO paper's")
@@ -121,6 +125,8 @@ def parse_args(argv=None, description=""):
         except ValueError as e:
             fail(str(e))
     args.collectives = args.collectives or ("ring" if args.link else "torch")
+    if args.layout == "uneven" and args.collectives == "ring":
+        fail("--layout uneven broadcasts and reduces, which the ring does not carry: use --collectives torch")
     return args
 
 
@@ -204,7 +210,8 @@ def init_distributed(args) -> Dist:
 # ----------------------------------------------------------------------------- model and data
 def model_config(args) -> GPTConfig:
     return GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
-                     d_model=args.d_model, n_head=args.n_head)
+                     d_model=args.d_model, n_head=args.n_head,
+                     activation_checkpointing=getattr(args, "activation_checkpointing", "none"))
 
 
 def working_dtype(args):

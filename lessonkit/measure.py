@@ -12,11 +12,11 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from lessonkit import common
+from lessonkit import common, summary
 from lessonkit.comm_meter import CommMeter
 from lessonkit.memory_ledger import MemoryLedger, Peaks, max_rss
 from scripts.perf import ring_collectives
-from lessonkit.theory import STATE_BYTES, buckets_in_flight, theory_memory, theory_ring_bytes, theory_tiers
+from lessonkit.theory import buckets_in_flight, theory_activations, theory_memory, theory_ring_bytes, theory_tiers
 
 
 # ----------------------------------------------------------------------------- the run
@@ -34,6 +34,7 @@ class Run:
         self.cuda = env.device.type == "cuda"
         self.comm = CommMeter(env.world_size, cpu_timed=env.backend == "gloo" and not self.cuda)
         self.cuda_step_peak = self.peak_params = self.peak_grads = self.params_timeline = self.trace = None
+        self.peak_activations = None
         if getattr(args, "trace", None):  # a tool's, imported only then (it draws with matplotlib)
             from scripts.perf.timelines import Trace
             self.trace = Trace(self)
@@ -108,6 +109,7 @@ class Run:
             self.optimizer.step = original
         if track:
             self.peak_params, self.peak_grads = probe.peak, probe.peak_grads
+            self.peak_activations = probe.peak_activations
             self.params_timeline = {"ops": probe.ops, "samples": probe.timeline}
 
     def _log(self, step):
@@ -118,7 +120,8 @@ class Run:
     # ------------------------------------------------------------------ summary and report
     def finish(self):
         """Gather every rank's measurements to rank 0, print the summary, write the report."""
-        measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params, "peak_grads": self.peak_grads},
+        measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params, "peak_grads": self.peak_grads,
+                               "peak_activations": self.peak_activations},
                     "ops": self.comm.ops, "calls": self.comm.calls, "ring_bytes": self.comm.ring_bytes(),
                     "wire_bytes": self.comm.wire_bytes,
                     "overlap": self.comm.overlap() or (self.trace and self.trace.gpu_overlap),
@@ -137,7 +140,7 @@ class Run:
         self.final_report = None
         if self.env.master:
             report = self.final_report = self.report(gathered)
-            self._summary(report)
+            summary.print_summary(report)
             if self.args.report:
                 with open(self.args.report, "w") as f:
                     json.dump(report, f, indent=1)
@@ -173,6 +176,9 @@ class Run:
                      "overlap_per_rank": [g["overlap"] for g in gathered]},
             "copies_per_rank": [g["copies"] for g in gathered] if gathered[0]["copies"] else None,
             "memory": {"per_rank": [g["memory"] for g in gathered], "theory": mem_theory,
+                       "theory_activations": {mode: theory_activations(
+                           a.global_batch // n // a.grad_accum, a.seq_len, a.d_model, a.n_head, a.n_layer,
+                           a.vocab_size, a.precision, mode) for mode in ("none", "block")},
                        **({"theory_tiers": theory_tiers(self.psi, n, a.precision)} if self.strategy == "offload" else {}),
                        "params_timeline": gathered[0].get("params_timeline")},
         }
@@ -187,59 +193,6 @@ class Run:
                     largest = max(p.numel() * p.element_size() for b in m.buckets for p in b.params)
                     return buckets_in_flight([b.nbytes() for b in m.buckets], m.max_in_flight, largest)
         return 0
-
-    def _summary(self, r):
-        mib = 2 ** 20
-        comm = r["comm"]
-        print(f"summary {r['strategy']} | world {r['world_size']} {r['backend']} {r['precision']} | "
-              f"Psi = {r['n_params']:,} params | final loss {r['losses'][-1]:.4f} | "
-              f"median step {r['median_step_time_s'] * 1e3:.1f} ms")
-        ops = ", ".join(f"{k} x{v['calls']} ({v['bytes'] / mib:.2f} MiB)" for k, v in comm["ops"].items())
-        print(f"  comm per rank per step (step {comm['measured_step']}): {ops or 'none'}")
-        wire = comm["wire_bytes_per_rank"][0]
-        wire = "n/a" if wire is None else f"{wire / mib:.3f} MiB"
-        link = r["config"].get("link") and " on a {:g} Gb/s, {:g} us link".format(*map(float, r["config"]["link"].split(":")))
-        print(f"  bytes sent per rank (rank 0), {r['config']['collectives']} collectives{link or ''}: "
-              f"issued {comm['issued_ring_bytes_per_step'] / mib:.3f} MiB (asked for x ring factor) | "
-              f"wire {wire} (written to the sockets) | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")
-        ov = comm.get("overlap")
-        if ov is not None and ov.get("source"):
-            print(f"  overlap rank 0: NCCL kernels {ov['comm_ms']:.1f} ms | exposed {ov['exposed_ms']:.1f} ms "
-                  f"(no compute kernel beside them) | hidden {ov['hidden_share']:.0%}")
-        elif ov is not None:
-            print(f"  overlap rank 0: comm {ov['comm_ms']:.1f} ms (issue to completion) | exposed "
-                  f"{ov['exposed_ms']:.1f} ms (blocked in wait) | hidden {ov['hidden_share']:.0%}")
-        elif r["backend"] == "nccl":
-            print("  overlap: unavailable on NCCL from the CPU clock (--trace DIR measures it from GPU kernel times)")
-        m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
-        row = " | ".join(f"{k} {m.get(k, 0) / mib:.2f} (theory {th[k] / mib:.2f})"
-                         for k in ("params", "grads", "optimizer"))
-        if m.get("peak_params") is not None:  # None when not tracked
-            # ZeRO-3 adds the units gathered in flight to its shards; no formula, a measurement
-            row += f" | peak_params {m['peak_params'] / mib:.2f} during the step"
-        print(f"  memory rank 0, MiB at rest: {row}"
-              + (f" | other {m['other'] / mib:.2f}" if m.get("other") else ""), flush=True)
-        if m.get("peak_grads") is not None:  # ZeRO-2: my slices plus the buckets in flight; 01-04 all of it
-            bound = th["peak_grads"] and f" (theory {th['peak_grads'] / mib:.2f}: at rest + buckets in flight)"
-            print(f"  gradients rank 0, MiB: peak during backward {m['peak_grads'] / mib:.2f}{bound or ''} | "
-                  f"the whole gradient {STATE_BYTES[r['precision']]['grads'] * r['n_params'] / mib:.2f}", flush=True)
-        if "host" in m:  # 07: by tier, beside theory_tiers
-            for tier in ("device", "host"):
-                print(f"  memory rank 0 on the {tier}, MiB: " + " | ".join(
-                    f"{k} {m[tier][k] / mib:.2f} (theory {r['memory']['theory_tiers'][tier][k] / mib:.2f})"
-                    for k in ("params", "grads", "optimizer"))
-                    + ("" if r["device"] == "cuda" else " (on this CPU-only machine, one memory)"), flush=True)
-        c = (r.get("copies_per_rank") or [None])[0]
-        if c:  # 07: the measured step's copies (CUDA: their time from events on the copy stream)
-            waited = (f" | the CPU waited {c['d2h_waited_s'] * 1e3:.1f} ms at the end of backward for "
-                      "the downloads to land (the GPU work queued before them included)" if r["device"] == "cuda"
-                      else " (plain copies: nothing hidden)")
-            print(f"  copies rank 0: host->device {c['h2d_bytes'] / mib:.2f} MiB in {c['h2d_s'] * 1e3:.1f} ms | "
-                  f"device->host {c['d2h_bytes'] / mib:.2f} MiB in {c['d2h_s'] * 1e3:.1f} ms{waited}", flush=True)
-        if m.get("cuda_step_peak") is not None:  # everything the step allocated: activations too
-            held = sum(m.get(k, 0) for k in ("params", "grads", "optimizer"))
-            print(f"  GPU rank 0, MiB: peak allocated in the measured step {m['cuda_step_peak'] / mib:.2f} | "
-                  f"model states at rest {held / mib:.2f} (theory {th['total'] / mib:.2f})", flush=True)
 
 
 def _memory_now(env):

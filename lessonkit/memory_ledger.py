@@ -1,14 +1,17 @@
 """Memory, observed from outside the lessons: MemoryLedger walks the tensors a strategy and its
 optimizer actually hold and sums their storages (each storage once), by category; sampled after
 every tensor operation of the measured step (Peaks) it finds the most parameter bytes alive at
-once, and the most gradient bytes alive during backward; max_rss is the whole process.
+once, the most gradient bytes alive during backward and the most activation bytes (what forward
+computed and backward has not yet used); max_rss is the whole process.
 """
 import resource
 import sys
+import weakref
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 CATEGORIES = ("params", "grads", "optimizer", "other")
 
@@ -130,6 +133,38 @@ class Peaks(TorchDispatchMode):
         super().__init__()
         self.ledger, self.peak, self.peak_grads = ledger, 0, 0
         self.ops, self.in_optimizer, self.timeline = 0, False, []
+        # activations: the storages forward creates (grad mode on, from the model's forward to the
+        # start of backward) and backward recomputes (grad mode on inside backward: checkpointing),
+        # each counted from the operation that made it until it is freed; the most alive at once
+        self.in_forward, self.activations, self.peak_activations, self.born = False, 0, 0, {}
+
+    def __enter__(self):
+        begin = lambda *_: setattr(self, "in_forward", True)  # noqa: E731
+        self.forward_hook = self.ledger.model.register_forward_pre_hook(begin)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.forward_hook.remove()
+        return super().__exit__(*exc)
+
+    def _count_activations(self, args, kwargs, out):
+        in_backward = torch._C._current_graph_task_id() != -1
+        self.in_forward = self.in_forward and not in_backward
+        if not (torch.is_grad_enabled() and (self.in_forward or in_backward)):
+            return  # backward's gradients (grad mode off), the optimizer, anything after backward
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+        for t in tree_flatten(out)[0]:
+            storage = t.untyped_storage() if torch.is_tensor(t) else None
+            key = storage and storage.data_ptr()
+            if not key or key in inputs or key in self.born:  # a view, in place, or seen
+                continue
+            self.born[key] = storage.nbytes()
+            self.activations += storage.nbytes()
+            self.peak_activations = max(self.peak_activations, self.activations)
+            weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key):
+        self.activations -= self.born.pop(key)
 
     def sample(self, name="start"):
         held = self.ledger.measure()
@@ -146,6 +181,7 @@ class Peaks(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.ops += 1
         self.sample(str(func))
+        self._count_activations(args, kwargs, out)
         return out
 
     def optimizer_begins(self):

@@ -20,7 +20,8 @@ SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
            # PyTorch's counterparts, run by scripts/torch_reference.py for the benchmark
            "torch_ddp": (), "torch_zero_redundancy": ("optimizer",),
            "torch_fsdp2_noreshard": ("optimizer", "grads"),
-           "torch_fsdp2": ("optimizer", "grads", "params"), "torch_local": ()}
+           "torch_fsdp2": ("optimizer", "grads", "params"),
+           "torch_fsdp2_offload": ("optimizer", "grads", "params"), "torch_local": ()}
 # the lessons that keep whole gradients and add bf16 micro-steps into a whole fp32 accumulator
 # (05 and 06 add into their fp32 gradient shards instead)
 ACCUMULATE_FP32 = ("vanilla_dp", "async_allreduce", "buckets", "zero1")
@@ -31,8 +32,8 @@ def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
     most gradient bytes alive during backward: `in_flight` bytes (buckets_in_flight) on top of the
     gradients at rest."""
     tiers = theory_tiers(psi, world, precision)  # (07's: its device keeps the working precision)
-    if strategy in ("zero3", "torch_fsdp2", "offload"):  # FSDP2's convention: bf16 only in flight;
-        precision = "fp32"  # at rest fp32 shards (the master weights), fp32 gradient shards, 2 moments
+    if "params" in SHARDED[strategy]:  # 06, 07 and FSDP2 (offloaded or not): FSDP2's convention, bf16
+        precision = "fp32"  # only in flight; at rest fp32 shards (the master weights), fp32 gradient shards, 2 moments
     out = {k: psi * b / world if k in SHARDED[strategy] else psi * b for k, b in STATE_BYTES[precision].items()}
     if strategy == "offload":  # 07: both tiers
         out = {k: tiers["device"][k] + tiers["host"][k] for k in out}
@@ -78,7 +79,8 @@ def buckets_in_flight(bucket_bytes, max_in_flight, largest_grad):
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n,
                "reduce_scatter": lambda n: (n - 1) / n,
                "all_gather": lambda n: (n - 1) / n,
-               "broadcast": lambda n: (n - 1) / n}
+               "broadcast": lambda n: (n - 1) / n,  # a pipelined chain: each rank but the last
+               "reduce": lambda n: (n - 1) / n}     # sends the whole tensor once (the root none)
 
 
 def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1):
@@ -88,5 +90,39 @@ def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1):
     reduce-scatters at each (3 K Psi): no rank holds a whole gradient to accumulate into."""
     k = grad_accum
     elems = {"zero2": (k + 1) * psi, "zero3": 3 * k * psi, "offload": 3 * k * psi, "torch_fsdp2": 3 * k * psi,
-             "torch_fsdp2_noreshard": (k + 1) * psi, "torch_local": 0}.get(strategy, 2 * psi)
+             "torch_fsdp2_offload": 3 * k * psi, "torch_fsdp2_noreshard": (k + 1) * psi,
+             "torch_local": 0}.get(strategy, 2 * psi)
     return elems * (world - 1) / world * STATE_BYTES[precision]["params"]
+
+
+# ----------------------------------------------------------------------------- activations
+def theory_activations(rows, seq, d_model, n_head, n_layer, vocab, precision, checkpointing="none"):
+    """The most activation bytes alive at once in one micro-step of model.py's GPT on one rank
+    (`rows` sequences of `seq` tokens), counted from the tensors its operations create (B rows,
+    T tokens, C width, H heads, V vocabulary, L blocks; b bytes per element in the working
+    precision).
+
+    A block without checkpointing keeps, until backward uses them: LayerNorm's outputs (2 BTC)
+    and their means and reciprocal stds (4 BT), the qkv projection (3 BTC: q, k and v are views of
+    it), attention's output (BTC) and log-sum-exp (BHT, fp32: flash attention keeps no T x T
+    scores), the first residual sum (BTC), the MLP's hidden layer before and after GELU (8 BTC),
+    and its output (BTC, the next block's input): 16 BTC + 4 BT elements + 4 BHT bytes. (Korthikanti
+    et al. 2022 count 34 BTC bytes at 2 bytes per element, plus 5 BHT^2 for attention scores and
+    dropout masks; without dropout and with flash attention, 16 elements remain.) Around the
+    blocks: the embeddings' sum and ln_f (2 BTC + 2 BT), the positions (T) and targets (BT, a
+    copy: the batch's rows are views) in int64, and at the loss the logits, their fp32 copy (in
+    bf16) and the log-softmax (BTV each), all at once.
+
+    With "block" checkpointing forward keeps each block's input only ((L + 2) BTC in all); in
+    backward the last block is recomputed beside the L inputs still needed, up to (not including)
+    its output, 15 BTC + 4 BT + BHT: whichever of the two is larger.
+    """
+    b = STATE_BYTES[precision]["params"]
+    btc, bt, bht, btv = rows * seq * d_model, rows * seq, rows * n_head * seq, rows * seq * vocab
+    block = (16 * btc + 4 * bt) * b + 4 * bht
+    loss = btv * b + (4 * btv if b != 4 else 0) + 4 * btv + 8  # (+8: the loss and its weight, fp32)
+    ints = 8 * seq + 8 * bt
+    if checkpointing == "none":
+        return n_layer * block + (2 * btc + 2 * bt) * b + ints + loss
+    return max((n_layer + 2) * btc * b + 2 * bt * b + ints + loss,
+               (n_layer + 15) * btc * b + 4 * bt * b + 4 * bht + 8 * seq + 8)

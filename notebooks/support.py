@@ -45,7 +45,7 @@ TIMELINE = ["06_zero3", "06_zero3 --prefetch 0"] if QUICK else \
 MIB = 2 ** 20
 KIB = 2 ** 10
 NAMES = {"01_vanilla_dp": "01 DP", "02_async_allreduce": "02 async", "03_buckets": "03 buckets",
-         "04_zero1": "04 ZeRO-1", "05_zero2": "05 ZeRO-2", "06_zero3": "06 ZeRO-3"}
+         "04_zero1": "04 ZeRO-1", "05_zero2": "05 ZeRO-2", "06_zero3": "06 ZeRO-3", "07_offload": "07 offload"}
 # model-state categories, in stacking order, with one colour each in every figure
 CATEGORIES = [("params", "parameters (bf16; 06: fp32 shards)", "#4C72B0"),
               ("grads", "gradients (bf16; 06: fp32 shards)", "#DD8452"),
@@ -139,6 +139,16 @@ def held(mem):
     return {"params": mem["params"], "grads": mem["grads"],
             "moments": mem["optimizer"] - mem["master_weights"],
             "master_weights": mem["master_weights"], "other": mem.get("other", 0)}
+
+
+def tiers(report, rank=0):
+    """{"device": (measured, formula), "host": (...)}: bytes of model states per tier on `rank`.
+    07 reports its tiers; every other lesson keeps all of its model states on its device."""
+    mem, t = report["memory"]["per_rank"][rank], report["memory"]["theory"]
+    if "host" not in mem:
+        return {"device": (mem["params"] + mem["grads"] + mem["optimizer"], t["total"]), "host": (0, 0)}
+    return {tier: (sum(mem[tier][k] for k in ("params", "grads", "optimizer")),
+                   sum(report["memory"]["theory_tiers"][tier].values())) for tier in ("device", "host")}
 
 
 def theory_split(report):

@@ -9,7 +9,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the trainers (00_collectives.py trains nothing: it runs on its own, and is tested on its own)
-LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3"]
+LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3", "07_offload"]
 
 
 def available_lessons():
@@ -43,6 +43,14 @@ def launch(script, nproc, args=(), echo=False, report=True, threads=1, env=None)
 
 def mib(x):
     return x / 2 ** 20
+
+
+def device_and_host(mem):
+    """A report's memory entry (one rank's) as (bytes on the device, bytes on the host, or None):
+    07 splits its model states by tier, and its point is the device's share; every other lesson
+    keeps all of params + grads + optimizer on its device."""
+    held = lambda m: m["params"] + m["grads"] + m["optimizer"]  # noqa: E731
+    return (held(mem["device"]), held(mem["host"])) if "host" in mem else (held(mem), None)
 
 
 def load_lesson(name):

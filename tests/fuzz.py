@@ -117,14 +117,21 @@ def cases(draw, world=None):
     spec, accum, steps = draw(specs()), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     slots = len(routing_slots(spec))
     routes = [[draw(route_bits(world * accum)) for _ in range(slots)] for _ in range(steps)]
-    return {"seed": draw(st.integers(0, 2 ** 16)), "world": world, "accum": accum, "steps": steps,
+    case = {"seed": draw(st.integers(0, 2 ** 16)), "world": world, "accum": accum, "steps": steps,
             "rows": draw(st.integers(1, 3)), "seq": draw(st.integers(1, 4)),
             "precision": draw(st.sampled_from(("fp32", "bf16"))), "optimizer": draw(st.sampled_from(tuple(OPTIMIZERS))),
             "clip": draw(st.sampled_from((0.0, 0.05, 1.0))),  # 0.05 acts at every step, 1.0 at some
             "weight_decay": draw(st.sampled_from((0.0, 0.1))), "bucket_mb": draw(st.sampled_from(BUCKET_MB)),
             "model": spec, "routes": routes,
             # the lessons' collectives: torch's, or lesson 00's ring (--collectives ring)
-            "collectives": draw(st.sampled_from(("torch", "ring")))}
+            "collectives": draw(st.sampled_from(("torch", "ring"))),
+            # 07's placement: every unit cut evenly, or each whole on one rank (--layout uneven;
+            # broadcasts and reduces, which the ring does not carry: torch's collectives only)
+            "layout": draw(st.sampled_from(("even", "uneven")))}
+    # --activation-checkpointing block: every block recomputed in backward (drawn last: the
+    # cases drawn before it stay as they were)
+    case["model"]["checkpoint"] = draw(st.booleans())
+    return case
 # Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2
 # shards each rank's own weights; tests/toy.py covers the lessons), fp16 (no lesson's adapter),
 # a MixedPrecisionPolicy's output_dtype (06 refuses it).
@@ -216,7 +223,8 @@ def train(case, name, unused):
     model = make_model(case["model"], case["seed"], bf16_params=bf16 and not sharded_fp32)
     opt_class, opt_kwargs = optimizer(case)
     kw = dict(grad_clip=case["clip"], weight_decay=case["weight_decay"], bucket_mb=case["bucket_mb"],
-              find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs)
+              find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
+              layout=case.get("layout", "even") if case.get("collectives", "torch") == "torch" else "even")
     if sharded_fp32 and bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # as 06's main()
     # --collectives ring for the lessons (not the counterparts: FSDP2 calls dist's functions too)
@@ -484,10 +492,12 @@ def describe(case):
     m = case["model"]
     experts = sum(len(b["experts"]) for b in m["blocks"]) + bool(m["root_expert"])
     return (f"world {case['world']} accum {case['accum']} {case['precision']} {case['optimizer']} clip {case['clip']} "
-            f"wd {case['weight_decay']} bucket {case['bucket_mb']} MB{', ring' if case.get('collectives') == 'ring' else ''}; "
+            f"wd {case['weight_decay']} bucket {case['bucket_mb']} MB{', ring' if case.get('collectives') == 'ring' else ''}"
+            f"{', 07 uneven' if case.get('layout') == 'uneven' and case.get('collectives') != 'ring' else ''}; "
             f"{len(m['blocks'])} blocks, {experts} experts"
             f"{', tied' if m['tied'] else ''}{', frozen emb' if m['frozen_emb'] else ''}"
-            f"{', a frozen unit' if any(b['frozen'] == 'all' for b in m['blocks']) else ''}")
+            f"{', a frozen unit' if any(b['frozen'] == 'all' for b in m['blocks']) else ''}"
+            f"{', checkpointed' if m.get('checkpoint') else ''}")
 
 
 def report(case, found, lessons=LESSONS):

@@ -16,6 +16,7 @@ get no gradient on that rank), or, with `run_unused`, runs and its output is dro
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from routing import routed
 
@@ -27,8 +28,9 @@ def mlp(d, hidden):
 class Block(nn.Module):
     """h + dense(h) (if hidden > 0), then each expert on the rows routed to it."""
 
-    def __init__(self, d, hidden, experts, frozen, run_unused):
+    def __init__(self, d, hidden, experts, frozen, run_unused, recompute=False):
         super().__init__()
+        self.recompute = recompute  # as model.py's Block under --activation-checkpointing block
         self.dense = mlp(d, hidden) if hidden else None
         self.experts = nn.ModuleList(mlp(d, e) for e in experts)
         if frozen == "first":
@@ -38,6 +40,11 @@ class Block(nn.Module):
         self.run_unused = run_unused
 
     def forward(self, h, route):  # route: (rows, n_experts) bool
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self.compute, h, route, use_reentrant=False)
+        return self.compute(h, route)
+
+    def compute(self, h, route):
         if self.dense is not None:
             h = h + self.dense(h)
         for expert, use in zip(self.experts, route.unbind(1)):
@@ -52,8 +59,8 @@ class FuzzNet(nn.Module):
         self.spec = spec
         self.emb = nn.Embedding(vocab, d)
         self.root_expert = mlp(d, spec["root_expert"]) if spec["root_expert"] else None
-        self.blocks = nn.ModuleList(Block(d, b["hidden"], b["experts"], b["frozen"], spec["run_unused"])
-                                    for b in spec["blocks"])
+        self.blocks = nn.ModuleList(Block(d, b["hidden"], b["experts"], b["frozen"], spec["run_unused"],
+                                          spec.get("checkpoint", False)) for b in spec["blocks"])
         self.head = nn.Linear(d, vocab, bias=False)
         if spec["tied"]:
             self.head.weight = self.emb.weight  # as GPT-2

@@ -58,7 +58,10 @@ def zero3_full_parameters(z):
     full = {}
     for u in z.units:
         flat = u.shard.new_empty(u.numel_padded)
-        dist.all_gather_into_tensor(flat, u.shard)
+        if u.shard_numel == u.numel_padded // dist.get_world_size():
+            dist.all_gather_into_tensor(flat, u.shard)
+        else:  # 07 --layout uneven: the unit whole on its owner
+            dist.broadcast(flat.copy_(u.shard) if u.rank == u.owner else flat, src=u.owner)
         for p, offset in zip(u.params, u.offsets):
             full[p] = flat[offset:offset + p.numel()].view(p.shape).float().clone()
     return {name: full[p] for name, p in z.module.named_parameters()}
@@ -102,7 +105,8 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
     if lesson in ("06", "07"):  # as FSDP2: the caller's optimizer over the shards, clipping by the model
         strategy, offload = load_lesson("06_zero3").ZeRO3, {}  # (06 first: 07 imports it)
         if lesson == "07":
-            strategy, offload = load_lesson("07_offload").ZeRO3Offload, {"offload_policy": CPUOffloadPolicy(False)}
+            strategy, offload = load_lesson("07_offload").ZeRO3Offload, {"offload_policy": CPUOffloadPolicy(False),
+                                                                         "layout": kw.get("layout", "even")}
         z = strategy(module, units=sharding_units(module), prefetch=kw.get("prefetch", True),
                      find_unused_parameters=kw.get("find_unused", False),
                      mp_policy=kw.get("mp_policy"), **offload)  # mp_policy None: the parameters' dtype

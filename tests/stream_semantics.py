@@ -16,7 +16,7 @@ A blocking collective's output is filled with garbage first (not where the input
 it): a byte it fails to write is NaN, not stale bytes that happen to be right.
 
 Wrapped: all_reduce, reduce_scatter_tensor/_single, all_gather_into_tensor/_single, broadcast,
-isend, irecv, batch_isend_irecv (and P2POp, which must still accept the wrapped isend/irecv).
+reduce, isend, irecv, batch_isend_irecv (and P2POp, which must still accept the wrapped isend/irecv).
 It wraps whatever each name holds when entered, and comm_meter.CommMeter.measuring() entered
 inside it wraps these wrappers in turn, so a lesson runs metered and checked at once.
 """
@@ -36,6 +36,7 @@ _ROLES = {
     "all_gather_into_tensor": (("input_tensor",), ("output_tensor",)),
     "all_gather_single": (("input_tensor",), ("output_tensor",)),
     "broadcast": None,  # the source's input, everyone else's output: _roles
+    "reduce": None,  # everyone's input, the destination's output too: _roles
     "isend": (("tensor",), ()), "irecv": ((), ("tensor",)),
 }
 # frames _issued_at looks past: this module, the meter wrapping it, torch's own
@@ -253,13 +254,15 @@ class StreamSemantics:
 
 
 def _roles(name, arguments):
-    if name != "broadcast":
+    if _ROLES[name] is not None:
         return tuple(_ROLES[name][0]), tuple(_ROLES[name][1])
-    group = arguments.get("group")
-    src = arguments.get("group_src")
-    me = dist.get_rank(group) if src is not None else dist.get_rank()
-    src = src if src is not None else arguments.get("src")
-    return (("tensor",), ()) if me == src else ((), ("tensor",))
+    root = "src" if name == "broadcast" else "dst"
+    group, in_group = arguments.get("group"), arguments.get(f"group_{root}")
+    me = dist.get_rank(group) if in_group is not None else dist.get_rank()
+    root = in_group if in_group is not None else arguments.get(root)
+    if name == "broadcast":
+        return (("tensor",), ()) if me == root else ((), ("tensor",))
+    return (("tensor",), ("tensor",) if me == root else ())  # reduce
 
 
 def _p2p_op_class(P2POp, unwrap):

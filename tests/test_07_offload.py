@@ -26,6 +26,7 @@ def suite(world):
     return {"main": run_lesson("07_offload", ARGV), "zero3": run_lesson("06_zero3", ARGV),
             "bf16": run_lesson("07_offload", BF16_ACCUM_CLIP), "zero3_bf16": run_lesson("06_zero3", BF16_ACCUM_CLIP),
             "fsdp2_offload": gpt_train("fsdp2_offload", ARGV),
+            "uneven": run_lesson("07_offload", ARGV + ["--layout", "uneven"]),
             "toy": toy_train(build, "07", grad_accum=3, different_init=True),  # (12 rows: 4 x 3)
             "toy_clip": toy_train(build, "07", grad_clip=0.05),
             "toy_sgd": toy_train(build, "07", steps=3, grad_accum=3, different_init=True, **SGD)}
@@ -86,3 +87,20 @@ def test_one_shard_up_and_one_gradient_shard_down_per_micro_step(world):
             # reduce-scattered shard, in the dtype it was reduced in
             assert copies["h2d_bytes"] == micro_steps * shard * b, key
             assert copies["d2h_bytes"] == micro_steps * shard * b, key
+
+
+# ----------------------------------------------------------------------------- the older layout
+@pytest.mark.parametrize("world", [1, 4])
+def test_the_uneven_layout_trains_the_same_but_loads_each_unit_on_one_rank(world):
+    # --layout uneven: unit i (the root, then each block) whole on rank i mod N, broadcast from it
+    # and its gradient reduced to it; the same training (other sums: within TOL, not bit for bit)
+    all_close(reference(ARGV), results(world), ("uneven",), TOL)
+    numels, _ = units(ARGV)  # 4 units: at 4 ranks one each, of different sizes
+    report = results(world)[0]["uneven"]["report"]
+    for rank, (mem, copies) in enumerate(zip(held(report), report["copies_per_rank"])):
+        mine = sum(padded(n, world) for i, n in enumerate(numels) if i % world == rank)
+        assert copies["h2d_bytes"] == copies["d2h_bytes"] == mine * 4  # my units, whole
+        assert mem["device"]["params"] == mem["host"]["params"] == mem["host"]["grads"] == mine * 4
+    ops = report["comm"]["ops"]  # a broadcast per unit in forward and again in backward, a reduce
+    assert (ops["broadcast"]["calls"], ops["reduce"]["calls"]) == (2 * len(numels), len(numels))
+    assert "all_gather" not in ops and "reduce_scatter" not in ops

@@ -82,11 +82,12 @@ def test_in_an_existing_group_the_device_follows_its_backend():
 # 2.13; distributed_c10d.py and __init__.py of the 2.15 wheel, from `pip download --no-deps`).
 # all_gather_single / reduce_scatter_single are not here: torch 2.11 does not have them.
 # P2POp and batch_isend_irecv (00's grouped exchange) date from torch 1.8, irecv from 1.0; the
-# ring transport's new_group (backend, timeout), group.WORLD and ReduceOp from 1.0.
+# ring transport's new_group (backend, timeout), group.WORLD and ReduceOp from 1.0; reduce (07's
+# --layout uneven) from 1.0.
 SUPPORTED = {"HashStore", "P2POp", "all_gather_into_tensor", "all_gather_object", "all_reduce", "barrier",
              "batch_isend_irecv", "broadcast", "broadcast_object_list", "destroy_process_group", "get_backend",
              "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend", "recv",
-             "reduce_scatter_tensor", "new_group", "group", "ReduceOp",
+             "reduce", "reduce_scatter_tensor", "new_group", "group", "ReduceOp",
              "distributed_c10d._get_default_store", "distributed_c10d._abort_process_group"}
 FILES = [os.path.relpath(p, ROOT)[:-3] for p in sorted(glob.glob(os.path.join(ROOT, "*.py")))
          + sorted(glob.glob(os.path.join(ROOT, "lessonkit", "*.py")))] + ["scripts/perf/ring_collectives"]
@@ -282,4 +283,4 @@ def test_gpu_check_runs_its_checks_on_cpu(tmp_path):
         ("00_collectives at world 2", True), ("06_zero3 saved and resumed", True)]
     table = (tmp_path / "gpu_check.md").read_text()
     assert table.count("| 06_zero3 |") == 4 and "2 CPU ranks -> 1" in table
-    assert table.count("- 07_offload world ") == 4 and "(plain copies, one memory)" in table  # its tiers
+    assert table.count("- 07_offload world ") == 4 and "exposed: all (plain copies on the CPU" in table  # its tiers

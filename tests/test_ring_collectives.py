@@ -12,7 +12,9 @@ from graded import load_lesson
 from harness import spawn
 from scripts.runs import LESSONS
 
-TRAINERS = LESSONS  # 01-06 (00 runs its own ring beside torch's)
+# 01-06 (00 runs its own ring beside torch's). 07's collectives are 06's, called by 06's code (its
+# losses equal 06's bit for bit: test_07_offload), and the fuzzer runs it on the ring: left out for time
+TRAINERS = [name for name in LESSONS if name != "07_offload"]
 # A GPT of one wide block (Psi = 947,712 in 16 tensors, which 01 and 02 all-reduce one by one):
 # gloo adds 144 bytes of its own to every send (measured: its rendezvous of the two sides and
 # the data's header), which is 0.5% of the bytes at 4 ranks in bf16 here. (The default GPT's

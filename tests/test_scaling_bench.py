@@ -76,9 +76,10 @@ def test_bench_writes_table_json_and_plot(tmp_path, monkeypatch):
     assert list(doc["configs"]) == ["default", "many-small", "10M"]  # many-small: 01-03 only
     assert [r["run"] for r in doc["configs"]["many-small"]["runs"]] == ["local (no communication)", "DDP", "03_buckets"]
     table = (tmp_path / "bench.md").read_text()
-    for column in ("/ limit", "vs PyTorch", "tokens/s", "sent MiB/rank/step", "held MiB/rank", "peak RSS MiB/rank"):
+    for column in ("/ limit", "vs PyTorch", "tokens/s", "sent MiB/rank/step", "held MiB/rank", "host MiB/rank",
+                   "peak RSS MiB/rank"):
         assert column in table
-    assert "| 03_buckets | 50.0 | 50.0-50.0 | 1.25x | 0.50x | 20,480 | 1.00 | 16.00 | 301 |" in table
+    assert "| 03_buckets | 50.0 | 50.0-50.0 | 1.25x | 0.50x | 20,480 | 1.00 | 16.00 |  | 301 |" in table  # no host tier
     assert (tmp_path / "bench.png").stat().st_size > 20_000
 
 
@@ -95,6 +96,25 @@ def test_bench_runs_a_lesson_on_torchs_collectives_and_on_the_ring_side_by_side(
     assert runs["04_zero1 --collectives ring"]["vs_torch_collectives"] == pytest.approx(0.8)
     assert runs["04_zero1"]["vs_torch_collectives"] is None  # torch's collectives: the reference
     assert "| 04_zero1 | 0.800x | 0.800, 0.800 |" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_puts_07_against_fsdp2_offload_with_its_device_bytes_held_and_its_host_bytes_beside(tmp_path, monkeypatch):
+    def run_one(kind, name, nproc, steps, extra):
+        report = _report(1000, 2 ** 20, 16 * 2 ** 20, 300 * 2 ** 20)
+        if name == "07_offload":  # by tier: 1 MiB of parameters on the device, 16 MiB of states on the host
+            device = {"params": 2 ** 20, "grads": 0, "optimizer": 0}
+            host = {"params": 4 * 2 ** 20, "grads": 4 * 2 ** 20, "optimizer": 8 * 2 ** 20}
+            report["memory"]["per_rank"] = [dict(m, device=device, host=host) for m in report["memory"]["per_rank"]]
+        return 0.05, report
+    monkeypatch.setattr(bench, "run_one", run_one)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--rounds", "1", "--configs", "default", "--lessons", "07_offload",
+                                      "--out", str(tmp_path)])
+    bench.main()
+    runs = {r["run"]: r for r in json.loads((tmp_path / "bench.json").read_text())["configs"]["default"]["runs"]}
+    assert list(runs) == ["local (no communication)", "FSDP2 + CPUOffloadPolicy", "07_offload"]
+    assert runs["07_offload"]["state_bytes"] == 2 ** 20 and runs["07_offload"]["host_state_bytes"] == 16 * 2 ** 20
+    assert runs["FSDP2 + CPUOffloadPolicy"]["host_state_bytes"] is None  # no tiers measured for it
+    assert "| 1.00 | 1.00 | 16.00 | 301 |" in (tmp_path / "bench.md").read_text()  # sent, held (device), host, RSS
 
 
 def test_bandwidth_ring_is_the_lessons_transport_and_sends_a_rings_bytes():

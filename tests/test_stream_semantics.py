@@ -37,6 +37,7 @@ CASES = {
     "06_no_prefetch": ("06_zero3", ZERO3 + ["--prefetch", "0"]),
     "06_no_prefetch_bf16_accum": ("06_zero3", ZERO3 + ["--prefetch", "0"] + BF16 + ACCUM),
     "07_bf16_accum": ("07_offload", ZERO3 + BF16 + ACCUM),  # 06's collectives around the copies
+    "07_uneven": ("07_offload", ZERO3 + ACCUM + ["--layout", "uneven"]),  # broadcasts and reduces
 }
 # --collectives ring (scripts/perf/ring_collectives.py): the same lessons on the ring's thread
 # and handles, the stand-in wrapped around the ring's functions (installed first: _ring_installed)

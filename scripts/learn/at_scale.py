@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import replace
 
-from scripts.learn.cost_model import (CLUSTERS, GPU, LESSONS, MODELS, OPS, STAGES, Cluster, Link, Workload,
+from scripts.learn.cost_model import (CLUSTERS, GPU, LESSONS, MODELS, OPS, STAGES, Cluster, Link, Workload, activation_bytes,
                                       collective_time, flops_per_token, gpt, llama, step)
 from scripts.learn.zero_calc import count, parse_count
 from lessonkit.theory import RING_FACTOR
@@ -188,8 +188,40 @@ def calibrate():
     cal["rows"] = predict(cal, cores)
     with open(os.path.join(OUT, "calibration.json"), "w") as f:
         json.dump(cal, f, indent=1)
+    cal["activations"] = check_activations()
     print(calibration_table(cal))
+    print(activations_table(cal["activations"]))
     print(f"({cal['seconds']:.0f} s; written to {os.path.relpath(OUT, ROOT)}/calibration.json)")
+
+
+def check_activations(world=2):
+    """The cost model's activation term (Korthikanti et al.'s, as at scale) against the bytes 01
+    measures on this machine at CAL_FLAGS, with and without checkpointing each block ("full" in the
+    model), beside the lessons' own count of model.py's operations (theory.theory_activations)."""
+    from scripts.runs import launch
+    rows = []
+    for lesson_mode, model_mode in (("none", "none"), ("block", "full")):
+        r = launch("01_vanilla_dp", world, [*CAL_FLAGS[:-2], "--steps", "3", "--activation-checkpointing", lesson_mode])
+        a = r["config"]
+        w = Workload(gpt("lessons' GPT", r["n_params"], a["n_layer"], a["d_model"], a["n_head"], a["vocab_size"],
+                         a["seq_len"]), batch=a["global_batch"] // world, seq=a["seq_len"], precision="fp32",
+                     ckpt=model_mode)
+        measured = r["memory"]["per_rank"][0]["peak_activations"]
+        rows.append({"checkpointing": lesson_mode, "measured": measured, "model": activation_bytes(w),
+                     "lessons_formula": r["memory"]["theory_activations"][lesson_mode],
+                     "error": activation_bytes(w) / measured - 1})
+    return rows
+
+
+def activations_table(rows):
+    lines = [f"activations per rank, 01 at 2 ranks ({' '.join(CAL_FLAGS[:10])}): the cost model against the measurement",
+             f"{'checkpointing':<15}{'measured MiB':>13}{'cost model MiB':>16}{'error':>8}{'theory.py MiB':>15}"]
+    for r in rows:
+        lines.append(f"{r['checkpointing']:<15}{r['measured'] / 2 ** 20:>13.2f}{r['model'] / 2 ** 20:>16.2f}"
+                     f"{r['error']:>+8.0%}{r['lessons_formula'] / 2 ** 20:>15.2f}")
+    lines.append("(the cost model counts Korthikanti et al.'s 34 sbh bytes + 5 a s^2 b per layer: dropout masks and "
+                 "T x T attention scores this GPT does not keep, as flash attention and no dropout)")
+    return "\n".join(lines)
 
 
 def cpu_cluster(world, cores):

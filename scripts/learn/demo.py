@@ -6,7 +6,7 @@
 import argparse
 import statistics
 
-from scripts.runs import available_lessons, launch, mib
+from scripts.runs import available_lessons, device_and_host, launch, mib
 
 
 def main():
@@ -21,19 +21,27 @@ def main():
               f"--precision {a.precision} --steps {a.steps}", flush=True)
         r = launch(lesson, a.nproc, ["--precision", a.precision, "--steps", a.steps], echo=True)
         m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
-        held = m["params"] + m["grads"] + m["optimizer"]
+        device, host = device_and_host(m)
+        theory, theory_host, peak = th["total"], None, m["peak_params"]
+        if host is not None:  # 07: its device tier, beside the formula for that tier
+            tiers = r["memory"]["theory_tiers"]
+            theory, theory_host = sum(tiers["device"].values()), sum(tiers["host"].values())
+            peak -= m["host"]["params"]  # its host shards live through the whole step; the rest is the device's
         rows.append((lesson, r["losses"][-1], 1e3 * statistics.median(r["step_time_s"]),
-                     mib(r["comm"]["issued_ring_bytes_per_step"]), mib(r["comm"]["theory_ring_bytes_per_step"]),
-                     mib(held), mib(th["total"]), mib(m["peak_params"])))
+                     r["comm"]["issued_ring_bytes_per_step"], r["comm"]["theory_ring_bytes_per_step"],
+                     device, theory, peak, host, theory_host))
     print(f"\n{a.nproc} ranks, {a.precision}, {a.steps} steps; bytes per rank (MiB); "
           "issued = per optimizer step, the payloads the collectives asked for x ring factor (a count); "
-          "held = params + grads + optimizer state at rest (measured)")
+          "device = params + grads + optimizer state held at rest (measured); peak params = the most "
+          "parameter bytes on the device during the step; host = what 07 moved to host memory (on a CPU-only "
+          "machine the two tiers are one memory)")
     header = f"{'lesson':<20} {'final loss':>10} {'step ms':>8} {'issued':>7} {'theory':>7} " \
-             f"{'held':>7} {'theory':>7} {'peak params':>11}"
+             f"{'device':>7} {'theory':>7} {'peak params':>11} {'host':>7} {'theory':>7}"
     print(header + "\n" + "-" * len(header))
-    for row in rows:
-        print(f"{row[0]:<20} {row[1]:>10.4f} {row[2]:>8.1f} {row[3]:>7.2f} {row[4]:>7.2f} "
-              f"{row[5]:>7.2f} {row[6]:>7.2f} {row[7]:>11.2f}")
+    for lesson, loss, ms, *nbytes, host, theory_host in rows:
+        cells = " ".join(f"{mib(b):>{w}.2f}" for b, w in zip(nbytes, (7, 7, 7, 7, 11)))
+        tier = "" if host is None else f" {mib(host):>7.2f} {mib(theory_host):>7.2f}"
+        print(f"{lesson:<20} {loss:>10.4f} {ms:>8.1f} {cells}{tier}")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ step (what it asked for, times the ring factor) against the ZeRO paper's 2Psi (3
 times (N-1)/N; the bytes each rank holds at rest, measured, by category, against the paper's
 formula for that stage. The issued bytes include a few extras the formula leaves out (the
 4-byte gradient-norm all-reduce, shard padding); they disappear at the printed precision.
-06 runs twice, with and without prefetching the next unit's all-gather. 07 holds the same bytes
-as 06's formula says for its tiers together (device and host: its own lines in its summary).
+06 runs twice, with and without prefetching the next unit's all-gather. 07's params, grads and
+optim are what its device holds (my shard of the parameters, nothing else); the last two columns,
+its host's bytes (masters, their gradients, Adam's moments): on this CPU-only machine, one memory.
 
 With --link GBPS:LATENCY_US every lesson's collectives run on lesson 00's ring over a simulated
 link (scripts/perf/ring_collectives.py): communication then costs what it would on that link, and the exposed
@@ -43,9 +44,7 @@ CHECK, CROSS = "\u2713", "\u2717"
 
 def run_sweep(nproc, steps, flags):
     """All lessons in one torchrun launch; return {lesson: report}. Raise with the output if it fails."""
-    lessons = available_lessons()
-    lessons += [NO_PREFETCH] if "06_zero3" in lessons else []
-    lessons += ["07_offload"] if os.path.exists(os.path.join(ROOT, "07_offload.py")) else []
+    lessons = [run for l in available_lessons() for run in ([l, NO_PREFETCH] if l == "06_zero3" else [l])]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "sweep.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -67,26 +66,32 @@ def table(reports, steps, nproc):
     fmt = lambda b: f"{b / 2 ** 20:.3f}"  # noqa: E731  MiB
     cols = [("lesson", 21, "<"), ("loss", 8, ">"), ("", 1, "<"), ("step ms", 8, ">"), ("comm ms", 8, ">"),
             ("exposed", 8, ">"), ("issued", 7, ">"), ("theory", 7, ">"), ("params", 7, ">"), ("theory", 7, ">"),
-            ("grads", 7, ">"), ("theory", 7, ">"), ("optim", 7, ">"), ("theory", 7, ">")]  # (title, width, align)
+            ("grads", 7, ">"), ("theory", 7, ">"), ("optim", 7, ">"), ("theory", 7, ">"),
+            ("host", 7, ">"), ("theory", 7, ">")]  # (title, width, align)
     line = lambda cells: " ".join(f"{c:{a}{w}}" for c, (_, w, a) in zip(cells, cols)).rstrip()  # noqa: E731
     ref = round(reports[next(iter(reports))]["losses"][-1], 4)
     rows = []
     for lesson, r in reports.items():
         loss = r["losses"][-1]
-        m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
+        m, th, host = r["memory"]["per_rank"][0], r["memory"]["theory"], []
+        if "host" in m:  # 07: what its device holds, by category; its host tier, all categories, beside
+            tiers = r["memory"]["theory_tiers"]
+            host = [fmt(sum(m["host"][k] for k in ("params", "grads", "optimizer"))), fmt(sum(tiers["host"].values()))]
+            m, th = m["device"], tiers["device"]
         ov = r["comm"]["overlap"] or {}
         rows.append(line([lesson.replace("_zero3 --prefetch 0", "_no_prefetch"), f"{loss:.4f}",
                           CHECK if round(loss, 4) == ref else CROSS, f"{1e3 * statistics.median(r['step_time_s']):.1f}",
                           *(f"{ov[k]:.1f}" if k in ov else "n/a" for k in ("comm_ms", "exposed_ms")),
                           fmt(r["comm"]["issued_ring_bytes_per_step"]), fmt(r["comm"]["theory_ring_bytes_per_step"]),
                           fmt(m["params"]), fmt(th["params"]), fmt(m["grads"]), fmt(th["grads"]),
-                          fmt(m["optimizer"]), fmt(th["optimizer"])]))
+                          fmt(m["optimizer"]), fmt(th["optimizer"]), *host]))
     header = line([c for c, _, _ in cols])
     cfg = first["config"]
     link = f" on a simulated {cfg['link'].replace(':', ' Gb/s, ')} us link" if cfg.get("link") else ""
     title = (f"{nproc} ranks, {first['precision']}, {cfg['collectives']} collectives{link}, Psi = {first['n_params']:,}, "
              f"loss after {steps} steps ({CHECK} = 01's to 4 decimals); rank 0's communication in ms "
-             f"(measured: issue to completion, and exposed); MiB per rank: issued per step, held at rest, each vs theory")
+             f"(measured: issue to completion, and exposed); MiB per rank: issued per step, held at rest (07: on "
+             f"its device, and on its host), each vs theory")
     return "\n".join([title, header, "-" * len(header), *rows])
 
 

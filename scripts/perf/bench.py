@@ -15,8 +15,10 @@ can reach on this machine ("/ limit").
 Per run also: tokens/s; the bytes each rank's process wrote on the wire per step (gloo over
 TCP, read from /proc on Linux: the one meter that sees DDP's and FSDP2's collectives too, which
 run in C++ where comm_meter.CommMeter cannot see them); the model states each rank holds at rest
-(params + grads + optimizer, memory_ledger.MemoryLedger); and each rank's peak resident memory
-(everything: activations, buffers, the runtime). Every rank's maximum.
+(params + grads + optimizer, memory_ledger.MemoryLedger), on the device: 07 holds the rest on
+the host, a column of its own (on a CPU-only machine the two tiers are one memory, told apart by
+role; FSDP2 + CPUOffloadPolicy's are not told apart, so its "held" is both tiers); and each
+rank's peak resident memory (everything: activations, buffers, the runtime). Every rank's maximum.
 
 Writes OUT/bench.md (the tables), OUT/bench.json (every number, every round) and OUT/bench.png
 (ratio to PyTorch, tokens/s, bytes sent, bytes held, per lesson and config).
@@ -29,12 +31,14 @@ import statistics
 
 import torch
 
-from scripts.runs import ROOT, available_lessons, launch, mib
+from scripts.runs import ROOT, available_lessons, device_and_host, launch, mib
 
 COUNTERPART = {"01_vanilla_dp": "ddp", "02_async_allreduce": "ddp", "03_buckets": "ddp",
-               "04_zero1": "zero_redundancy", "05_zero2": "fsdp2_noreshard", "06_zero3": "fsdp2"}
+               "04_zero1": "zero_redundancy", "05_zero2": "fsdp2_noreshard", "06_zero3": "fsdp2",
+               "07_offload": "fsdp2_offload"}
 LABEL = {"ddp": "DDP", "zero_redundancy": "DDP + ZeroRedundancyOptimizer",
          "fsdp2_noreshard": "FSDP2 (reshard_after_forward=False)", "fsdp2": "FSDP2 fully_shard",
+         "fsdp2_offload": "FSDP2 + CPUOffloadPolicy",
          "local": "local (no communication)"}
 CONFIGS = {
     # the lessons' default GPT: 809,728 parameters in 52 tensors
@@ -115,7 +119,9 @@ def summarize(todo, medians, info):
             # what the lesson's own collectives add up to, ring-counted (PyTorch's are not seen: C++)
             "ring_bytes_per_step": None if kind == "torch" else report["comm"]["issued_ring_bytes_per_step"],
             "theory_ring_bytes_per_step": report["comm"]["theory_ring_bytes_per_step"],
-            "state_bytes": max(m["params"] + m["grads"] + m["optimizer"] for m in per_rank),
+            # on the device; 07 keeps the rest on the host (None: no host tier measured)
+            "state_bytes": max(device_and_host(m)[0] for m in per_rank),
+            "host_state_bytes": max(device_and_host(m)[1] for m in per_rank) if "host" in per_rank[0] else None,
             "max_rss": max((m.get("max_rss") or 0) for m in per_rank) or None,
         })
     return {"n_params": next(iter(info.values()))["n_params"], "runs": runs}
@@ -126,16 +132,17 @@ def table_for(config, summary):
     bytes sent and held per rank."""
     rows = [f"\n**{config}** (Psi = {summary['n_params']:,} parameters)\n",
             "| run | median step (ms) | spread (ms) | / limit | vs PyTorch | tokens/s | sent MiB/rank/step "
-            "| held MiB/rank | peak RSS MiB/rank |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| held MiB/rank | host MiB/rank | peak RSS MiB/rank |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["runs"]:
         lo, hi = r["spread_s"]
         sent = "" if r["wire_bytes_per_step"] is None else f"{mib(r['wire_bytes_per_step']):.2f}"
         rss = "" if r["max_rss"] is None else f"{mib(r['max_rss']):.0f}"
+        host = "" if r.get("host_state_bytes") is None else f"{mib(r['host_state_bytes']):.2f}"
         ratio = "" if r["vs_pytorch"] is None else f"{r['vs_pytorch']:.2f}x"
         rows.append(f"| {r['run']} | {1e3 * r['median_s']:.1f} | {1e3 * lo:.1f}-{1e3 * hi:.1f} "
                     f"| {r['vs_limit']:.2f}x | {ratio} "
-                    f"| {r['tokens_per_s']:,.0f} | {sent} | {mib(r['state_bytes']):.2f} | {rss} |")
+                    f"| {r['tokens_per_s']:,.0f} | {sent} | {mib(r['state_bytes']):.2f} | {host} | {rss} |")
     ring = [r for r in summary["runs"] if r.get("vs_torch_collectives")]
     if ring:
         rows.append("\n| lesson | ring / torch collectives | per round |\n|---|---:|---|")
@@ -154,7 +161,7 @@ def plot(results, path):
               ("step time / PyTorch's", lambda r: r["vs_pytorch"]),
               ("tokens/s", lambda r: r["tokens_per_s"]),
               ("sent MiB per rank per step (wire)", lambda r: r["wire_bytes_per_step"] and mib(r["wire_bytes_per_step"])),
-              ("held MiB per rank (params+grads+optim)", lambda r: mib(r["state_bytes"])),
+              ("held MiB per rank (params+grads+optim; 07: device)", lambda r: mib(r["state_bytes"])),
               ("peak RSS MiB per rank", lambda r: r["max_rss"] and mib(r["max_rss"]))]
     heights = [0.32 * len(s["runs"]) + 1.2 for s in results.values()]
     fig, axes = plt.subplots(len(results), len(panels), figsize=(4 * len(panels) + 2.5, sum(heights)),

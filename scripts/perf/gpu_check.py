@@ -38,9 +38,10 @@ import statistics
 import sys
 import tempfile
 
-from scripts.runs import LESSONS, launch, mib
+from lessonkit import summary
+from scripts.runs import LESSONS, device_and_host, launch, mib
 
-CHECKED = [*LESSONS, "07_offload"]  # (07 is not yet in the other tools' LESSONS)
+CHECKED = list(LESSONS)
 
 # 29,747,200 parameters, 4,096 tokens a step: big enough to time on a GPU, small enough for the
 # single-process CPU reference of 10 steps (its time on a GPU machine's CPU is not yet measured)
@@ -134,7 +135,7 @@ def median_step(r):
 
 
 def row(world, precision, lesson, r, refs):
-    m = r["memory"]["per_rank"][0]
+    m, tiers = r["memory"]["per_rank"][0], r["memory"].get("theory_tiers")
     comm, ov = r["comm"], r["comm"]["overlap"]
     gpu_peak = m.get("cuda_step_peak")
     hidden = ("n/a (world 1)" if world == 1 else f"{ov['hidden_share']:.0%}" if ov else "unavailable")
@@ -147,8 +148,9 @@ def row(world, precision, lesson, r, refs):
             "step_ms": 1e3 * median_step(r),
             "tok_s": r["config"]["global_batch"] * r["config"]["seq_len"] / median_step(r),
             "gpu_peak": "unavailable" if gpu_peak is None else f"{mib(gpu_peak):.0f}",
-            "states": f"{mib(m['params'] + m['grads'] + m['optimizer']):.0f}",
-            "theory": f"{mib(r['memory']['theory']['total']):.0f}",
+            # on the device: 07's device tier (its host's: offload_line), every other lesson's all
+            "states": f"{mib(device_and_host(m)[0]):.0f}",
+            "theory": f"{mib(sum(tiers['device'].values()) if tiers else r['memory']['theory']['total']):.0f}",
             "issued": f"{mib(comm['issued_ring_bytes_per_step']):.1f} / {mib(comm['theory_ring_bytes_per_step']):.1f}",
             "hidden": hidden}
 
@@ -193,11 +195,9 @@ def offload_line(world, precision, r):
     m, c = r["memory"]["per_rank"][0], (r.get("copies_per_rank") or [None])[0] or {}
     tiers = " | ".join(f"{tier} {mib(sum(m[tier][k] for k in ('params', 'grads', 'optimizer'))):.1f} MiB "
                        f"(optimizer {mib(m[tier]['optimizer']):.1f})" for tier in ("device", "host") if tier in m)
-    waited = (f"; the CPU waited {c['d2h_waited_s'] * 1e3:.1f} ms for the downloads (queued GPU work included)"
-              if r.get("device") == "cuda" else " (plain copies, one memory)")
     return (f"- 07_offload world {world} {precision}: {tiers}; copied up {mib(c.get('h2d_bytes', 0)):.1f} MiB "
             f"in {c.get('h2d_s', 0) * 1e3:.1f} ms, down {mib(c.get('d2h_bytes', 0)):.1f} MiB in "
-            f"{c.get('d2h_s', 0) * 1e3:.1f} ms{waited or ''}")
+            f"{c.get('d2h_s', 0) * 1e3:.1f} ms; " + (summary.copies_hidden(c, r.get("device")) if c else "no copies"))
 
 
 def why_failed(e):

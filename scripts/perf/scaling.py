@@ -21,7 +21,8 @@ Per run (a lesson at a size and a world size):
   2 Psi (3 Psi for ZeRO-3) x (N-1)/N; and wire: what each rank's process wrote to its sockets
   (measured, /proc/self/io; gloo on Linux), the most of any rank;
 - bytes held per rank at rest (params, grads, optimizer state), walked from the live tensors
-  (memory_ledger.MemoryLedger), next to the paper's formula; for 06 also peak_params, the most
+  (memory_ledger.MemoryLedger), next to the paper's formula: on the device (07's device tier, its
+  host tier in a column of its own); for 06 also peak_params, the most
   parameter bytes alive at once in the step (its shards plus the units gathered in flight;
   sampled after every operation, so only 06 pays for it: in 01-05 it equals params at rest).
 
@@ -47,7 +48,8 @@ WORLDS = (1, 2, 4)
 FLAGS = ["--global-batch", "8", "--seq-len", "32", "--log-every", str(10 ** 6)]
 WARMUP = 2
 NAMES = {"01_vanilla_dp": "01 DP", "02_async_allreduce": "02 async", "03_buckets": "03 buckets",
-         "04_zero1": "04 ZeRO-1", "05_zero2": "05 ZeRO-2", "06_zero3": "06 ZeRO-3"}
+         "04_zero1": "04 ZeRO-1", "05_zero2": "05 ZeRO-2", "06_zero3": "06 ZeRO-3",
+         "07_offload": "07 offload (memory: device)"}
 
 
 def size_flags(size):
@@ -69,10 +71,11 @@ def run_worlds(worlds, sizes, lessons, flags, track_peak):
 
 def row(lesson, size, world, report, seconds):
     """The numbers kept for one run: every rank's maximum where ranks differ (padding)."""
-    per_rank = report["memory"]["per_rank"]
-    held = {k: max(m[k] for m in per_rank) for k in ("params", "grads", "optimizer", "other")}
-    held["total"] = held["params"] + held["grads"] + held["optimizer"]
-    theory = report["memory"]["theory"]
+    per_rank, states = report["memory"]["per_rank"], ("params", "grads", "optimizer")
+    tiered = "host" in per_rank[0]  # 07: what its device holds, and its host tier beside
+    held = {k: max((m["device"] if tiered else m)[k] for m in per_rank) for k in (*states, "other")}
+    held["total"] = sum(held[k] for k in states)
+    theory = report["memory"]["theory_tiers"]["device"] if tiered else report["memory"]["theory"]
     timed = report["step_time_s"][WARMUP:-1]
     wire = [w for w in report["comm"]["wire_bytes_per_rank"] if w is not None]
     peaks = [m["peak_params"] for m in per_rank if m.get("peak_params") is not None]
@@ -83,7 +86,9 @@ def row(lesson, size, world, report, seconds):
         "issued_ring_bytes_per_step": report["comm"]["issued_ring_bytes_per_step"],
         "theory_ring_bytes_per_step": report["comm"]["theory_ring_bytes_per_step"],
         "wire_bytes_per_step": max(wire) if wire else None,
-        "memory": held, "theory_memory": {k: theory[k] for k in ("params", "grads", "optimizer", "total")},
+        "memory": held, "theory_memory": {**{k: theory[k] for k in states}, "total": sum(theory[k] for k in states)},
+        "host": max(sum(m["host"][k] for k in states) for m in per_rank) if tiered else None,
+        "theory_host": sum(report["memory"]["theory_tiers"]["host"].values()) if tiered else None,
         "peak_params": max(peaks) if peaks else None,
         "losses": report["losses"], "wall_s": seconds,
     }
@@ -95,7 +100,8 @@ def tables(result):
            "Step = median step time; issued = per rank per optimizer step, the payloads the lesson asked "
            "for times the ring factor, a count (theory); wire = what a rank's process wrote to its sockets, "
            "measured, the most of any rank (gloo's reduce-scatter is an all-reduce underneath, so 04-06 "
-           "write more than theory); held = bytes per rank at rest, measured (theory); "
+           "write more than theory); held = bytes per rank at rest, measured (theory): on the device, which "
+           "for 07 is its device tier, its host's in host MiB (on a CPU-only machine, one memory); "
            "peak params: the most parameter bytes alive at once in the step (06 only). MiB = 2^20 bytes.\n"]
     for world in result["worlds"]:
         rows = [r for r in result["rows"] if r["world_size"] == world]
@@ -103,26 +109,27 @@ def tables(result):
             continue
         out += [f"\n**world size {world}**\n",
                 "| size | Psi | lesson | step (ms) | tokens/s | issued MiB (theory) | wire MiB | params MiB "
-                "| grads MiB | optimizer MiB | held MiB (theory) | peak params MiB |",
-                "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "| grads MiB | optimizer MiB | held MiB (theory) | host MiB (theory) | peak params MiB |",
+                "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             m, th, wire = r["memory"], r["theory_memory"], r["wire_bytes_per_step"]
+            host = "" if r.get("host") is None else f"{mib(r['host']):.2f} ({mib(r['theory_host']):.2f})"
             out.append(f"| {r['size']} | {r['n_params']:,} | {r['lesson']} | {1e3 * r['step_time_s']:.1f} "
                        f"| {r['tokens_per_s']:,.0f} | {mib(r['issued_ring_bytes_per_step']):.2f} "
                        f"({mib(r['theory_ring_bytes_per_step']):.2f}) "
                        f"| {'n/a' if wire is None else f'{mib(wire):.2f}'} | {mib(m['params']):.2f} "
                        f"| {mib(m['grads']):.2f} | {mib(m['optimizer']):.2f} | {mib(m['total']):.2f} "
-                       f"({mib(th['total']):.2f}) | "
+                       f"({mib(th['total']):.2f}) | {host} | "
                        + (f"{mib(r['peak_params']):.2f} |" if r["peak_params"] is not None else "|"))
     return "\n".join(out) + "\n"
 
 
 # ----------------------------------------------------------------------------- figures
 COLORS = {"01_vanilla_dp": "#4C72B0", "02_async_allreduce": "#64B5CD", "03_buckets": "#8172B3",
-          "04_zero1": "#DD8452", "05_zero2": "#55A868", "06_zero3": "#C44E52"}
+          "04_zero1": "#DD8452", "05_zero2": "#55A868", "06_zero3": "#C44E52", "07_offload": "#937860"}
 # 01-03 send and hold the same bytes: shrinking markers keep every lesson visible where lines coincide
 MARKERS = {"01_vanilla_dp": ("o", 11), "02_async_allreduce": ("s", 8), "03_buckets": ("^", 6),
-           "04_zero1": ("D", 7), "05_zero2": ("v", 7), "06_zero3": ("P", 8)}
+           "04_zero1": ("D", 7), "05_zero2": ("v", 7), "06_zero3": ("P", 8), "07_offload": ("X", 8)}
 
 
 def _axes(n, title):
@@ -172,7 +179,7 @@ def plot_model_size(result, world, path):
     b.set(xlabel="parameters (Psi)", ylabel="MiB per rank per step",
           title="bytes issued (dotted: 2Psi or 3Psi x (N-1)/N)" if world > 1 else "bytes issued (none at world 1)")
     _lines(c, rows, psi, lambda r: mib(r["memory"]["total"]), lessons, theory=lambda r: mib(r["theory_memory"]["total"]))
-    c.set(xlabel="parameters (Psi)", ylabel="MiB per rank", title="model states held at rest (dotted: ZeRO)")
+    c.set(xlabel="parameters (Psi)", ylabel="MiB per rank", title="model states on the device (dotted: ZeRO)")
     _log_axes((a, b, c), (True, world > 1, True))  # at world 1 nothing is sent: no logarithm
     psis = sorted({r["n_params"] for r in rows})
     for ax in (a, b, c):  # a tick at every model measured
@@ -202,7 +209,7 @@ def plot_world_size(result, size, path):
         pts = sorted((n(r), mib(r["memory"]["total"] - r["memory"]["params"] + r["peak_params"])) for r in peak)
         c.plot(*zip(*pts), "s--", color=COLORS["06_zero3"], alpha=0.6, label="06 during the step (gathered units)")
         c.legend(fontsize=9)
-    c.set(xlabel="ranks", ylabel="MiB per rank", title="model states held (dotted: ZeRO formula)", ylim=(0, None))
+    c.set(xlabel="ranks", ylabel="MiB per rank", title="model states on the device (dotted: ZeRO)", ylim=(0, None))
     for ax in (a, b, c):
         ax.set_xticks(sorted({n(r) for r in rows}))
     a.legend(fontsize=9)

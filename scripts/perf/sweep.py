@@ -89,14 +89,14 @@ def main():
     if worlds[0] > launched or worlds[-1] < 1:
         lifecycle.fail(f"--worlds {ours.worlds}: each must be between 1 and the {launched} ranks launched")
     lessons = available_lessons()
-    runs = ours.lessons or [*lessons, *([NO_PREFETCH] if "06_zero3" in lessons else [])]
+    runs = ours.lessons or [run for l in lessons for run in ([l, NO_PREFETCH] if l == "06_zero3" else [l])]
     extra = {}
     for world, *names in ours.at:
         if not world.isdigit() or int(world) not in worlds or not names:
             lifecycle.fail(f"--at {world} ...: give one of the world sizes {worlds}, then runs")
         extra.setdefault(int(world), []).extend(names)
     for name in runs + [n for names in extra.values() for n in names]:
-        named = name.split()[0]  # a lesson of the tools' list, or one named outright (07_offload)
+        named = name.split()[0]  # a lesson of the tools' list, or a numbered file named outright
         if named not in lessons and not (named[:2].isdigit() and os.path.exists(os.path.join(ROOT, f"{named}.py"))):
             lifecycle.fail(f"no lesson {name.split()[0]!r}; available: {' '.join(lessons)}")
     # the lessons' own parser checks the shared flags once, up front: one line from rank 0 if bad

@@ -3,6 +3,7 @@ benchmark compares like with like.
 
     torchrun --nproc_per_node=2 -m scripts.perf.torch_reference --impl ddp
     --impl ddp | zero_redundancy (DDP + ZeroRedundancyOptimizer) | fsdp2_noreshard | fsdp2
+           | fsdp2_offload (FSDP2 + CPUOffloadPolicy, pinned where there is a GPU: 07's counterpart)
            | local (no communication at all: each rank trains its own rows, the limit of data
              parallelism on this machine)
 """
@@ -10,7 +11,7 @@ import sys
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -18,7 +19,7 @@ from lessonkit import common
 from model import get_batch
 from lessonkit import lifecycle, measure, optimizers
 
-IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2", "local")
+IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2", "fsdp2_offload", "local")
 
 
 class _ClippedStep:
@@ -48,10 +49,13 @@ def build(impl, model, args, env):
                                       **optimizers.adamw_kwargs(args))
         return wrapped, _ClippedStep(opt, list(model.parameters()), args.grad_clip)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
-    reshard = impl == "fsdp2"
+    reshard = impl != "fsdp2_noreshard"
+    offload = {}
+    if impl == "fsdp2_offload":  # pinned host memory needs a GPU to pin for (07 pins only there too)
+        offload["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **offload)
     opt = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
     return model, _ClippedStep(opt, list(model.parameters()), args.grad_clip)
 

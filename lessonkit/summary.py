@@ -1,0 +1,76 @@
+"""The summary a lesson prints at the end of its run, read from its report (measure.py): every
+measurement beside its formula (theory.py), rank 0's unless it says otherwise."""
+from lessonkit.theory import STATE_BYTES
+
+
+def print_summary(r):
+    """The run's summary, from its report: each measurement beside its formula."""
+    mib = 2 ** 20
+    comm = r["comm"]
+    print(f"summary {r['strategy']} | world {r['world_size']} {r['backend']} {r['precision']} | "
+          f"Psi = {r['n_params']:,} params | final loss {r['losses'][-1]:.4f} | "
+          f"median step {r['median_step_time_s'] * 1e3:.1f} ms")
+    ops = ", ".join(f"{k} x{v['calls']} ({v['bytes'] / mib:.2f} MiB)" for k, v in comm["ops"].items())
+    print(f"  comm per rank per step (step {comm['measured_step']}): {ops or 'none'}")
+    wire = comm["wire_bytes_per_rank"][0]
+    wire = "n/a" if wire is None else f"{wire / mib:.3f} MiB"
+    link = r["config"].get("link") and " on a {:g} Gb/s, {:g} us link".format(*map(float, r["config"]["link"].split(":")))
+    print(f"  bytes sent per rank (rank 0), {r['config']['collectives']} collectives{link or ''}: "
+          f"issued {comm['issued_ring_bytes_per_step'] / mib:.3f} MiB (asked for x ring factor) | "
+          f"wire {wire} (written to the sockets) | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")
+    ov = comm.get("overlap")
+    if ov is not None and ov.get("source"):
+        print(f"  overlap rank 0: NCCL kernels {ov['comm_ms']:.1f} ms | exposed {ov['exposed_ms']:.1f} ms "
+              f"(no compute kernel beside them) | hidden {ov['hidden_share']:.0%}")
+    elif ov is not None:
+        print(f"  overlap rank 0: comm {ov['comm_ms']:.1f} ms (issue to completion) | exposed "
+              f"{ov['exposed_ms']:.1f} ms (blocked in wait) | hidden {ov['hidden_share']:.0%}")
+    elif r["backend"] == "nccl":
+        print("  overlap: unavailable on NCCL from the CPU clock (--trace DIR measures it from GPU kernel times)")
+    m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
+    row = " | ".join(f"{k} {m.get(k, 0) / mib:.2f} (theory {th[k] / mib:.2f})"
+                     for k in ("params", "grads", "optimizer"))
+    if m.get("peak_params") is not None:  # None when not tracked
+        # ZeRO-3 adds the units gathered in flight to its shards; no formula, a measurement
+        row += f" | peak_params {m['peak_params'] / mib:.2f} during the step"
+    print(f"  memory rank 0, MiB at rest: {row}"
+          + (f" | other {m['other'] / mib:.2f}" if m.get("other") else ""), flush=True)
+    if m.get("peak_grads") is not None:  # ZeRO-2: my slices plus the buckets in flight; 01-04 all of it
+        bound = th["peak_grads"] and f" (theory {th['peak_grads'] / mib:.2f}: at rest + buckets in flight)"
+        print(f"  gradients rank 0, MiB: peak during backward {m['peak_grads'] / mib:.2f}{bound or ''} | "
+              f"the whole gradient {STATE_BYTES[r['precision']]['grads'] * r['n_params'] / mib:.2f}", flush=True)
+    if m.get("peak_activations") is not None:  # what forward computed, alive until backward used it
+        mode, th_act = r["config"]["activation_checkpointing"], r["memory"]["theory_activations"]
+        print(f"  activations rank 0, MiB: peak {m['peak_activations'] / mib:.2f} (theory "
+              f"{th_act[mode] / mib:.2f}) with --activation-checkpointing {mode} | theory "
+              + " | ".join(f"{k} {v / mib:.2f}" for k, v in th_act.items() if k != mode), flush=True)
+    if "host" in m:  # 07: by tier, beside theory_tiers
+        for tier in ("device", "host"):
+            print(f"  memory rank 0 on the {tier}, MiB: " + " | ".join(
+                f"{k} {m[tier][k] / mib:.2f} (theory {r['memory']['theory_tiers'][tier][k] / mib:.2f})"
+                for k in ("params", "grads", "optimizer"))
+                + ("" if r["device"] == "cuda" else " (on this CPU-only machine, one memory)"), flush=True)
+    c = (r.get("copies_per_rank") or [None])[0]
+    if c:  # 07: the measured step's copies (CUDA: their time from events on the copy stream)
+        print(f"  copies rank 0: host->device {c['h2d_bytes'] / mib:.2f} MiB in {c['h2d_s'] * 1e3:.1f} ms | "
+              f"device->host {c['d2h_bytes'] / mib:.2f} MiB in {c['d2h_s'] * 1e3:.1f} ms | "
+              + copies_hidden(c, r["device"]), flush=True)
+        each = [x["h2d_bytes"] for x in r["copies_per_rank"]]
+        if max(each) > min(each):  # 07 --layout uneven: the busiest rank sets everyone's pace
+            print(f"  copies per rank, host->device MiB: {' | '.join(f'{b / mib:.2f}' for b in each)} "
+                  f"(uneven: the others wait for rank {each.index(max(each))})", flush=True)
+    if m.get("cuda_step_peak") is not None:  # everything the step allocated: activations too
+        held = sum(m.get(k, 0) for k in ("params", "grads", "optimizer"))
+        act = m.get("peak_activations") is not None and f" | activations {m['peak_activations'] / mib:.2f} (above)"
+        print(f"  GPU rank 0, MiB: peak allocated in the measured step {m['cuda_step_peak'] / mib:.2f} | "
+              f"model states at rest {held / mib:.2f} (theory {th['total'] / mib:.2f}){act or ''}", flush=True)
+
+
+def copies_hidden(c, device):
+    """07's copies (one rank's counters): how much of their time ran beside other work."""
+    if device != "cuda":
+        return "exposed: all (plain copies on the CPU: nothing runs beside them)"
+    total = c["h2d_s"] + c["d2h_s"]
+    hidden = 1 - c["exposed_s"] / total if total else 0
+    return (f"exposed {c['exposed_s'] * 1e3:.1f} ms (a gather waited for an upload, or the optimizer "
+            f"for a download) | hidden {hidden:.0%}")
