@@ -5,6 +5,8 @@ Not part of any lesson. The notebooks call
     bandwidth(world)    all-reduce / reduce-scatter / all-gather by message size, gloo's and lesson
                         00's ring (scripts/perf/bandwidth.py --ring)
     zero3_timelines(world)  ZeRO-3's parameter bytes over a step, with and without prefetch
+    activation_runs()   activations beside the model states; 06 at a large batch, with and without
+                        checkpointing
     style(), save(fig, name)
 
 Environment (set by `make figures` through scripts/perf/figures.py, and by tests/test_notebooks.py):
@@ -41,6 +43,13 @@ FLAGS = ["--n-layer", "2", "--d-model", "64", "--seq-len", "32", "--global-batch
 TIMELINE_WORLD = 4
 TIMELINE = ["06_zero3", "06_zero3 --prefetch 0"] if QUICK else \
     ["06_zero3 --n-layer 6", "06_zero3 --n-layer 6 --prefetch 0"]
+
+# Activations beside the model states (memory.ipynb's Figure 1c), at ACT_WORLD ranks with the
+# activations tracked (per-operation sampling: only these runs); then 06 at a batch ACT_BATCH
+# times larger, where they dominate, with and without recomputing each block
+ACT_WORLD, ACT_BATCH = 2, 64
+ACT_BIG = [f"06_zero3 --global-batch {ACT_BATCH}", f"06_zero3 --global-batch {ACT_BATCH} --activation-checkpointing block"]
+ACT_RUNS = (["01_vanilla_dp", "04_zero1", "06_zero3"] if QUICK else list(LESSONS)) + ACT_BIG
 
 MIB = 2 ** 20
 KIB = 2 ** 10
@@ -93,6 +102,12 @@ def zero3_timelines(world=TIMELINE_WORLD):
     if world == TIMELINE_WORLD:
         return {name: sweeps()[world][name] for name in TIMELINE}
     return _sweep(world, [*FLAGS, "--lessons", *TIMELINE, "--track-peak", *TIMELINE])[world]
+
+
+def activation_runs():
+    """{run: report} for ACT_RUNS at ACT_WORLD ranks, activations measured (one launch, cached)."""
+    runs = [r for r in ACT_RUNS if r.split()[0] in available_lessons()]
+    return _sweep(ACT_WORLD, [*FLAGS, "--lessons", *runs, "--track-peak", *runs])[ACT_WORLD]
 
 
 def _sweep(nproc, argv):

@@ -13,7 +13,8 @@ import nbformat  # noqa: F401  (a clear ImportError here if the notebook tools a
 from harness import ROOT
 from scripts.perf.figures import execute
 
-FIGURES = {"memory.ipynb": ["memory_per_rank", "memory_offload_tiers", "zero3_params_timeline", "zero_calculator"],
+FIGURES = {"memory.ipynb": ["memory_per_rank", "memory_offload_tiers", "memory_activations", "zero3_params_timeline",
+                           "zero_calculator"],
            "comm_volume.ipynb": ["comm_per_step", "ring_reduce_scatter", "bandwidth"],
            "at_scale.ipynb": ["at_scale_memory", "at_scale", "at_scale_crossover", "at_scale_largest"]}
 

@@ -14,7 +14,10 @@ asked for times the ring factor, a count: NCCL's wire bytes are not readable) ag
 and the share of communication hidden behind compute (from the GPU's kernel times; at world 1
 there is no communication). Then lesson 00's ring collectives at world = the number of GPUs (its grouped
 sends and receives on NCCL; with one GPU it says in one line that it is skipped), and 06 saved on
-the GPUs and resumed at another world size on another device (CPU at world 2, or 1 GPU after N).
+the GPUs and resumed at another world size on another device (CPU at world 2, or 1 GPU after N),
+and 06 with --activation-checkpointing block against without on one device (the same losses
+and bytes sent; the activation bytes measured beside the formula and the peak allocated). 07's
+lines give its tiers, its copies each way and how much of their time was hidden.
 Exits non-zero if any run fails, a loss is NaN or infinite at any step, two runs compared differ
 in length, or a loss is off by more than its tolerance at any step. On a machine without a GPU
 it says so and exits 0. (--device cpu runs the same checks on CPU with gloo: how the test suite
@@ -239,6 +242,26 @@ def resume_elsewhere(ngpu, flags, device, tmp):
     return where, resumed["losses"], whole[first:]
 
 
+def activations(flags, device):
+    """06 at world 1 with and without --activation-checkpointing block: the same losses (the
+    recomputation repeats forward's operations on the same inputs), and each run's activation
+    bytes, measured, beside the formula (and on CUDA the step's peak allocated: kernels there may
+    keep a few bytes the CPU's do not). Returns (name, None or why it failed, what was measured)."""
+    runs = {mode: launch("06_zero3", 1, ["--device", device, *flags, "--peak-params", "1",
+                                         "--activation-checkpointing", mode]) for mode in ("none", "block")}
+    diff, why = compare(runs["block"]["losses"], runs["none"]["losses"], TOLERANCE["1 GPU"]["fp32"])
+    sent = {mode: r["comm"]["issued_ring_bytes_per_step"] for mode, r in runs.items()}
+    why = why or (None if sent["none"] == sent["block"] else f"bytes sent {sent['block']} != {sent['none']}")
+    parts = []
+    for mode, r in runs.items():
+        m = r["memory"]["per_rank"][0]
+        peak = m.get("cuda_step_peak") and f", peak allocated {mib(m['cuda_step_peak']):.1f} MiB"
+        parts.append(f"{mode}: activations {mib(m['peak_activations']):.2f} MiB measured, "
+                     f"{mib(r['memory']['theory_activations'][mode]):.2f} theory{peak or ''}")
+    return ("06_zero3 with --activation-checkpointing block against without, 1 device", why,
+            f"loss difference {diff:.1e}; " + "; ".join(parts))
+
+
 def main():
     a = parse()
     try:
@@ -296,6 +319,7 @@ def check(a):
         diff, why = compare(resumed, whole, TOLERANCE["CPU"]["fp32"])
         checks.append((f"06_zero3 saved and resumed, {moved}, against uninterrupted", why,
                        f"loss difference {diff:.1e} (tolerance {TOLERANCE['CPU']['fp32']:g})"))
+    checks.append(activations(flags, a.device))
     widest = spread(rows)
     offload = [offload_line(world, p, by_world[world]["07_offload"]) for p, by_world in reports.items()
                for world in worlds if "07_offload" in a.lessons]
