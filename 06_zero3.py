@@ -138,6 +138,7 @@ class ZeRO3(nn.Module):
     find_unused_parameters  as DDP's: a parameter no rank's backward reached gets no gradient
                    (the optimizer skips it, as one process does; without: a zero gradient);
                    a small all-reduce per backward
+    shard_group    the ranks each unit is cut over (None: all of them; 08 passes its "node")
 
     `parameters()` / `named_parameters()` are my shards (flat; named as the module names its
     parameters): build any torch.optim optimizer over them. `loss.backward()` leaves each
@@ -149,12 +150,13 @@ class ZeRO3(nn.Module):
     """
 
     def __init__(self, module, units=(), mp_policy=None, param_init_fn=None, prefetch=True, device=None,
-                 find_unused_parameters=False):
+                 find_unused_parameters=False, shard_group=None):
         if getattr(mp_policy, "output_dtype", None) is not None:
             raise NotImplementedError("ZeRO3 applies a MixedPrecisionPolicy's param_dtype and reduce_dtype, not output_dtype")
         super().__init__()
         self.module, self.prefetch = module, prefetch
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.shard_group = shard_group  # the collectives on parameters and gradients run over it
         self.param_dtype = getattr(mp_policy, "param_dtype", None)
         self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or self.param_dtype
         slots = {}  # parameter -> every (module, attribute name) holding it
@@ -170,8 +172,9 @@ class ZeRO3(nn.Module):
         if not groups[0][1]:  # the root's hooks drive the schedule, so it needs a parameter
             raise ValueError("ZeRO3: every parameter is in a unit, so the root has none: leave one module out of units")
         self.units = []  # the root is unit 0, then the units in forward order
+        shard_rank, shard_size = dist.get_rank(shard_group), dist.get_world_size(shard_group)
         for index, (m, params) in enumerate(groups):
-            unit = Unit(index, m, params, slots, device, self.rank, self.world_size)
+            unit = Unit(index, m, params, slots, device, shard_rank, shard_size)
             with torch.no_grad():
                 if params[0].is_meta and param_init_fn is not None:
                     param_init_fn(m, prefix[m])  # the values it would get in the whole model
@@ -214,7 +217,7 @@ class ZeRO3(nn.Module):
         if flat_param.untyped_storage().size() == 0:
             flat_param.untyped_storage().resize_(flat_param.numel() * flat_param.element_size())
             my_shard = self._gather_input(unit, flat_param.dtype)  # my shard in param_dtype
-            unit.gather_work = dist.all_gather_into_tensor(flat_param, my_shard, async_op=True)
+            unit.gather_work = dist.all_gather_into_tensor(flat_param, my_shard, group=self.shard_group, async_op=True)
         if wait and unit.gather_work is not None:
             unit.gather_work.wait()
             unit.gather_work = None
@@ -329,14 +332,15 @@ class ZeRO3(nn.Module):
             unit.flat_grad = torch.zeros(unit.numel_padded, dtype=self.reduce_dtype or unit.flat_param.dtype,
                                          device=unit.shard.device)
         # 5) averaged over the global batch: each rank's loss is the mean over its rows, so the
-        # global gradient is the SUM over ranks divided by N (divide first, as in 01).
+        # global gradient is the SUM over ranks divided by N (divide first, as in 01; N is every
+        # rank, also where 08 sums over its shard group here and over the replicas after).
         # ### BEGIN SOLUTION: reduce-scatter a unit's gradient
         # GOAL: start, without blocking, the collective that leaves my shard_numel elements of the
         #       unit's global-batch mean gradient in a new tensor; record (unit, work, grad_shard) in
         #       self.grads_in_flight for the end of backward.
         unit.flat_grad.div_(self.world_size)
         grad_shard = unit.flat_grad.new_empty(unit.shard_numel)  # (numel_padded / N,)
-        work = dist.reduce_scatter_tensor(grad_shard, unit.flat_grad, async_op=True)
+        work = dist.reduce_scatter_tensor(grad_shard, unit.flat_grad, group=self.shard_group, async_op=True)
         self.grads_in_flight.append((unit, work, grad_shard))
         # ### END SOLUTION
         unit.reduced = True
@@ -370,7 +374,7 @@ class ZeRO3(nn.Module):
     def clip_grad_norm_(self, max_norm):
         """Global-norm clipping over every rank's gradient shards; returns the total norm."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        return optimizers.clip_grad_norm_(grads, max_norm, self.units[0].shard.device)
+        return optimizers.clip_grad_norm_(grads, max_norm, self.units[0].shard.device, self.shard_group)
 
 
 # ----------------------------------------------------------------------------- checkpoints

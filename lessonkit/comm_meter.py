@@ -34,6 +34,9 @@ class CommMeter:
     def __init__(self, world_size, cpu_timed=True):
         self.world, self.cpu_timed = world_size, cpu_timed
         self.ops = {}
+        # the same per process group, by its name ("world", or 08's "shard" and "replicate"), with
+        # its size: a collective's ring factor is its group's, not the world's
+        self.groups = {}
         self.calls = []  # [kind, payload bytes] per call, in issue order: e.g. no bucket is the whole gradient
         self.wire_bytes = None  # what this process wrote while measuring (Linux, gloo): see bytes_written
         # Overlap, timed in the wrappers (perf_counter seconds): a collective's span runs from the
@@ -43,11 +46,16 @@ class CommMeter:
         # a wait(): communication it did not hide behind compute.
         self.spans, self.blocked, self.window = [], [], None
 
-    def _record(self, kind, tensor):
-        entry = self.ops.setdefault(kind, {"calls": 0, "bytes": 0})
-        entry["calls"] += 1
-        entry["bytes"] += tensor.numel() * tensor.element_size()
-        self.calls.append([kind, tensor.numel() * tensor.element_size()])
+    def _record(self, kind, tensor, group=None):
+        nbytes = tensor.numel() * tensor.element_size()
+        world = group in (None, dist.group.WORLD)
+        name = "world" if world else getattr(group, "group_desc", "group")  # (new_group(group_desc=...))
+        size = self.world if world else dist.get_world_size(group)
+        for ops in (self.ops, self.groups.setdefault(name, {"size": size, "ops": {}})["ops"]):
+            entry = ops.setdefault(kind, {"calls": 0, "bytes": 0})
+            entry["calls"] += 1
+            entry["bytes"] += nbytes
+        self.calls.append([kind, nbytes])
 
     @contextmanager
     def measuring(self):
@@ -59,7 +67,7 @@ class CommMeter:
 
             def metered(*args, **kwargs):
                 bound = signature.bind(*args, **kwargs)
-                self._record(kind, bound.arguments[arg])
+                self._record(kind, bound.arguments[arg], bound.arguments.get("group"))
                 t0 = time.perf_counter()
                 work = fn(*args, **kwargs)
                 if work is None or not bound.arguments.get("async_op"):
@@ -91,8 +99,11 @@ class CommMeter:
         if written is not None:  # the step is over, so every collective it issued has completed
             self.wire_bytes = bytes_written() - written
 
-    def ring_bytes(self):
-        return sum(RING_FACTOR[k](self.world) * v["bytes"] for k, v in self.ops.items())
+    def ring_bytes(self, group=None):
+        """Issued bytes times the ring factor at each collective's group size: over every group,
+        or over the one named `group`."""
+        return sum(RING_FACTOR[k](g["size"]) * v["bytes"] for name, g in self.groups.items()
+                   if group in (None, name) for k, v in g["ops"].items())
 
     def overlap(self):
         """comm = union of the collectives' spans within the measured step; exposed = union of

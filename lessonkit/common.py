@@ -68,6 +68,9 @@ def build_parser(description=""):
                    help="06: all-gather the next unit while this one computes")
     g.add_argument("--layout", choices=["even", "uneven"], default="even",
                    help="07: every unit cut evenly over all ranks, or each whole on one rank (the older layout)")
+    g.add_argument("--shard-group", type=int, default=None, metavar="G",
+                   help="08: shard over groups of G ranks (a node), replicate across them; must divide the "
+                        "world size (default: the world size, plain ZeRO-3)")
     g.add_argument("--collectives", choices=["torch", "ring"], default=None,
                    help="torch (default): the backend's own collectives; ring: lesson 00's ring of sends "
                         "(scripts/perf/ring_collectives.py), whose bytes on the wire are the ZeRO paper's")
@@ -125,6 +128,8 @@ def parse_args(argv=None, description=""):
         except ValueError as e:
             fail(str(e))
     args.collectives = args.collectives or ("ring" if args.link else "torch")
+    if args.shard_group is not None and (args.shard_group < 1 or world % args.shard_group):
+        fail(f"--shard-group {args.shard_group} must be at least 1 and divide world size {world}")
     if args.layout == "uneven" and args.collectives == "ring":
         fail("--layout uneven broadcasts and reduces, which the ring does not carry: use --collectives torch")
     return args

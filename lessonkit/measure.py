@@ -16,7 +16,8 @@ from lessonkit import common, summary
 from lessonkit.comm_meter import CommMeter
 from lessonkit.memory_ledger import MemoryLedger, Peaks, max_rss
 from scripts.perf import ring_collectives
-from lessonkit.theory import buckets_in_flight, theory_activations, theory_memory, theory_ring_bytes, theory_tiers
+from lessonkit.theory import (buckets_in_flight, theory_activations, theory_links, theory_memory, theory_ring_bytes,
+                              theory_tiers)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -123,6 +124,7 @@ class Run:
         measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params, "peak_grads": self.peak_grads,
                                "peak_activations": self.peak_activations},
                     "ops": self.comm.ops, "calls": self.comm.calls, "ring_bytes": self.comm.ring_bytes(),
+                    "groups": {name: {**g, "ring_bytes": self.comm.ring_bytes(name)} for name, g in self.comm.groups.items()},
                     "wire_bytes": self.comm.wire_bytes,
                     "overlap": self.comm.overlap() or (self.trace and self.trace.gpu_overlap),
                     "timeline": self.trace and self.trace.timeline(),  # --trace: the chart's, per rank
@@ -150,9 +152,10 @@ class Run:
 
     def report(self, gathered):
         a, n = self.args, self.env.world_size
-        mem_theory = theory_memory(self.strategy, self.psi, n, a.precision, self._grad_buckets_in_flight(),
-                                   a.grad_accum)
-        return {
+        shard = getattr(a, "shard_group", None) or n  # 08: the states are sharded over G ranks, not N
+        mem_theory = theory_memory(self.strategy, self.psi, shard if self.strategy == "hybrid" else n, a.precision,
+                                   self._grad_buckets_in_flight(), a.grad_accum)
+        report = {
             "strategy": self.strategy, "world_size": n, "backend": self.env.backend,
             "device": self.env.device.type, "precision": a.precision, "n_params": self.psi,
             "config": vars(a), "losses": self.losses, "step_time_s": self.step_times,
@@ -166,7 +169,7 @@ class Run:
                      # not a measurement); wire: what each rank's process wrote to its sockets
                      "issued_ring_bytes_per_step": gathered[0]["ring_bytes"],
                      "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision,
-                                                                       a.grad_accum),
+                                                                       a.grad_accum, shard=shard),
                      # bytes each rank's process actually wrote (gloo on Linux; None elsewhere:
                      # NCCL moves its bytes over NVLink/InfiniBand, not the process's writes)
                      "wire_bytes_per_rank": [g["wire_bytes"] for g in gathered],
@@ -182,6 +185,13 @@ class Run:
                        **({"theory_tiers": theory_tiers(self.psi, n, a.precision)} if self.strategy == "offload" else {}),
                        "params_timeline": gathered[0].get("params_timeline")},
         }
+        if self.strategy == "hybrid":  # 08: rank 0's two links (process groups), each beside its formula
+            theory, groups = theory_links(self.psi, shard, n, a.precision, a.grad_accum), gathered[0]["groups"]
+            report["comm"]["per_link"] = {link: {
+                "group": name, "ranks": groups[name]["size"], "ops": groups[name]["ops"],
+                "issued_ring_bytes_per_step": groups[name]["ring_bytes"], "theory_ring_bytes_per_step": theory[link]}
+                for link, name in (("intra", "shard"), ("inter", "replicate"))}
+        return report
 
     def _grad_buckets_in_flight(self):
         """What gradient buckets found on the strategy (a bucket.BucketManager whose buffers

@@ -113,14 +113,14 @@ def _master_shard(params, start, numel):
 
 
 @torch.no_grad()
-def clip_grad_norm_(grads, max_norm, device):
+def clip_grad_norm_(grads, max_norm, device, group=None):
     """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ over the whole model, of gradients
-    sharded across the ranks: each rank sums the squares of its own shards (padding is zero: it
-    adds nothing), one scalar all-reduce adds them up. Returns the total norm."""
+    sharded across the ranks of `group` (None: all): each rank sums the squares of its own shards
+    (padding is zero: it adds nothing), one scalar all-reduce adds them up. Returns the total norm."""
     norm_sq = torch.zeros((), device=device)
     for g in grads:
         norm_sq += g.float().pow(2).sum()
-    dist.all_reduce(norm_sq)
+    dist.all_reduce(norm_sq, group=group)  # (08: its shard group; each replica holds the same shards)
     norm = norm_sq.sqrt()
     clip_coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].device if grads else device)
     for g in grads:  # (07: gradients on the host, the norm's all-reduce on the device)

@@ -18,6 +18,10 @@ def print_summary(r):
     print(f"  bytes sent per rank (rank 0), {r['config']['collectives']} collectives{link or ''}: "
           f"issued {comm['issued_ring_bytes_per_step'] / mib:.3f} MiB (asked for x ring factor) | "
           f"wire {wire} (written to the sockets) | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")
+    if "per_link" in comm:  # 08: inside the shard group (a node) and across the replicas
+        print("  per link (rank 0), MiB per step: " + " | ".join(
+            f"{link} ({v['group']} group of {v['ranks']}) issued {v['issued_ring_bytes_per_step'] / mib:.3f} "
+            f"theory {v['theory_ring_bytes_per_step'] / mib:.3f}" for link, v in comm["per_link"].items()))
     ov = comm.get("overlap")
     if ov is not None and ov.get("source"):
         print(f"  overlap rank 0: NCCL kernels {ov['comm_ms']:.1f} ms | exposed {ov['exposed_ms']:.1f} ms "

@@ -17,6 +17,7 @@ STATE_BYTES = {"fp32": {"params": 4, "grads": 4, "optimizer": 8},
 SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
            "zero1": ("optimizer",), "zero2": ("optimizer", "grads"),
            "zero3": ("optimizer", "grads", "params"), "offload": ("optimizer", "grads", "params"),
+           "hybrid": ("optimizer", "grads", "params"),  # 08: over its shard group (world = G there)
            # PyTorch's counterparts, run by scripts/torch_reference.py for the benchmark
            "torch_ddp": (), "torch_zero_redundancy": ("optimizer",),
            "torch_fsdp2_noreshard": ("optimizer", "grads"),
@@ -83,16 +84,27 @@ RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n,
                "reduce": lambda n: (n - 1) / n}     # sends the whole tensor once (the root none)
 
 
-def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1):
+def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1, shard=None):
     """ZeRO paper section 7: 2 Psi elements per rank per step for DP, ZeRO-1 and ZeRO-2 (an
     all-reduce, or a reduce-scatter plus an all-gather), 3 Psi for ZeRO-3; times (N-1)/N.
     With K micro-steps, ZeRO-2 reduce-scatters at each ((K + 1) Psi) and ZeRO-3 gathers and
-    reduce-scatters at each (3 K Psi): no rank holds a whole gradient to accumulate into."""
+    reduce-scatters at each (3 K Psi): no rank holds a whole gradient to accumulate into.
+    08 (hybrid, `shard` = G ranks per shard group): both links of theory_links, added."""
     k = grad_accum
+    if strategy == "hybrid":
+        return sum(theory_links(psi, shard, world, precision, k).values())
     elems = {"zero2": (k + 1) * psi, "zero3": 3 * k * psi, "offload": 3 * k * psi, "torch_fsdp2": 3 * k * psi,
              "torch_fsdp2_offload": 3 * k * psi, "torch_fsdp2_noreshard": (k + 1) * psi,
              "torch_local": 0}.get(strategy, 2 * psi)
     return elems * (world - 1) / world * STATE_BYTES[precision]["params"]
+
+
+def theory_links(psi, shard, world, precision, grad_accum=1):
+    """08's two links, bytes per rank per step, G = `shard` ranks per shard group, R = N / G
+    replicas: intra, ZeRO-3 inside the group, 3 K Psi (G-1)/G; inter, a ring all-reduce of my
+    gradient shard across the replicas at every micro-step, 2 K (Psi/G) (R-1)/R."""
+    g, r, b = shard, world // shard, STATE_BYTES[precision]["params"]
+    return {"intra": 3 * grad_accum * psi * (g - 1) / g * b, "inter": 2 * grad_accum * psi / g * (r - 1) / r * b}
 
 
 # ----------------------------------------------------------------------------- activations

@@ -211,9 +211,9 @@ def reference(argv, steps=None):
             "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
 
 
-def gpt_train(lesson, argv):
+def gpt_train(lesson, argv, **kw):
     """In a spawned rank: train the GPT of `argv` through the tests' adapter (tests/lessons.py),
-    e.g. PyTorch's DDP on exactly the configuration a lesson's main() runs."""
+    e.g. PyTorch's DDP on exactly the configuration a lesson's main() runs (kw: build's)."""
     from lessonkit import common
     from model import get_batch
     args = common.parse_args(argv)
@@ -221,7 +221,7 @@ def gpt_train(lesson, argv):
     env = common.Dist(rank, world, torch.device("cpu"), "gloo")
     model = common.build_model(args, env)
     trainer = build(lesson, model, grad_clip=args.grad_clip, lr=args.lr, bucket_mb=args.bucket_mb,
-                    weight_decay=args.weight_decay)
+                    weight_decay=args.weight_decay, **kw)
     losses = []
     for step in range(args.steps):
         batches = [get_batch(args, env, step, m) for m in range(args.grad_accum)]

@@ -54,12 +54,13 @@ class _Replicated:
 @torch.no_grad()
 def zero3_full_parameters(z):
     """{name: full fp32 tensor} of a ZeRO3 (06), on every rank: each unit's shards all-gathered
-    into a new buffer (the unit's own stays freed) and cut at its parameters' offsets."""
-    full = {}
+    into a new buffer (the unit's own stays freed) and cut at its parameters' offsets (08: over
+    its shard group, whose G shards make the unit)."""
+    full, group = {}, getattr(z, "shard_group", None)
     for u in z.units:
         flat = u.shard.new_empty(u.numel_padded)
-        if u.shard_numel == u.numel_padded // dist.get_world_size():
-            dist.all_gather_into_tensor(flat, u.shard)
+        if u.shard_numel == u.numel_padded // dist.get_world_size(group):
+            dist.all_gather_into_tensor(flat, u.shard, group=group)
         else:  # 07 --layout uneven: the unit whole on its owner
             dist.broadcast(flat.copy_(u.shard) if u.rank == u.owner else flat, src=u.owner)
         for p, offset in zip(u.params, u.offsets):
@@ -84,7 +85,8 @@ def replicated_optimizer(params, grad_clip, optimizer_class=None, optimizer_kwar
 
 
 def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0.0, **kw):
-    """A trainer for `lesson` ("01".."07", or "ddp") around `module`, inside a process group.
+    """A trainer for `lesson` ("01".."08", or "ddp") around `module`, inside a process group.
+    08 and fsdp2_hsdp: kw shard_group, G ranks per shard group (default: all).
     weight_decay: AdamW's, in optimizers.decay_groups (matrices and embeddings only), as main()."""
     wd = weight_decay
     opt_kw = {k: kw[k] for k in ("optimizer_class", "optimizer_kwargs") if k in kw}  # default: AdamW at lr
@@ -102,14 +104,18 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
         dp = load_lesson("03_buckets").BucketedDP(module, bucket_cap_mb=bucket_mb,
                                                   find_unused_parameters=kw.get("find_unused", False))
         return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
-    if lesson in ("06", "07"):  # as FSDP2: the caller's optimizer over the shards, clipping by the model
-        strategy, offload = load_lesson("06_zero3").ZeRO3, {}  # (06 first: 07 imports it)
+    if lesson in ("06", "07", "08"):  # as FSDP2: the caller's optimizer over the shards, clipping by the model
+        strategy, extra = load_lesson("06_zero3").ZeRO3, {}  # (06 first: 07 and 08 import it)
         if lesson == "07":
-            strategy, offload = load_lesson("07_offload").ZeRO3Offload, {"offload_policy": CPUOffloadPolicy(False),
-                                                                         "layout": kw.get("layout", "even")}
+            strategy, extra = load_lesson("07_offload").ZeRO3Offload, {"offload_policy": CPUOffloadPolicy(False),
+                                                                       "layout": kw.get("layout", "even")}
+        if lesson == "08":  # the R x G grid's two process groups
+            hybrid = load_lesson("08_hybrid")
+            groups = hybrid.hybrid_groups(kw.get("shard_group") or dist.get_world_size())
+            strategy, extra = hybrid.HybridShard, dict(zip(("shard_group", "replicate_group"), groups))
         z = strategy(module, units=sharding_units(module), prefetch=kw.get("prefetch", True),
                      find_unused_parameters=kw.get("find_unused", False),
-                     mp_policy=kw.get("mp_policy"), **offload)  # mp_policy None: the parameters' dtype
+                     mp_policy=kw.get("mp_policy"), **extra)  # mp_policy None: the parameters' dtype
         opt = kw.get("optimizer_class", torch.optim.AdamW)(optimizers.decay_groups(z, wd),
                                                            **kw.get("optimizer_kwargs", adamw(lr)))
 
@@ -119,8 +125,9 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
             opt.step()
             opt.zero_grad()
         return _FullySharded(z, step=step, full_parameters=lambda: zero3_full_parameters(z), opt=opt)
-    if lesson in ("fsdp2", "fsdp2_offload"):  # offload: CPUOffloadPolicy, as 07
-        return _fsdp2(module, grad_clip, lr, wd, offload=lesson == "fsdp2_offload", **kw)
+    if lesson in ("fsdp2", "fsdp2_offload", "fsdp2_hsdp"):  # offload: CPUOffloadPolicy, as 07; hsdp: 08's grid
+        return _fsdp2(module, grad_clip, lr, wd, offload=lesson == "fsdp2_offload",
+                      hsdp=lesson == "fsdp2_hsdp", **kw)
     if lesson in ("04", "05"):  # kw optimizer_class / optimizer_kwargs: e.g. SGD, which sees gradient scale
         opt_class, opt_kwargs = kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs", adamw(lr))
         if lesson == "04":
@@ -181,12 +188,15 @@ def _fsdp2_options(module, kw):
     return kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs")
 
 
-def _fsdp2(module, grad_clip, lr, wd, offload=False, **kw):
+def _fsdp2(module, grad_clip, lr, wd, offload=False, hsdp=False, **kw):
     """PyTorch's own ZeRO-3: fully_shard each unit, then the root, on an explicit CPU mesh
-    (offload: with CPUOffloadPolicy, unpinned: no GPU here)."""
+    (offload: with CPUOffloadPolicy, unpinned: no GPU here; hsdp: a 2-D R x G mesh, kw
+    shard_group = G, FSDP2's HSDP: replicate over its first dimension, shard over its second)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world, g = dist.get_world_size(), kw.get("shard_group") or dist.get_world_size()
+    mesh = (init_device_mesh("cpu", (world // g, g), mesh_dim_names=("replicate", "shard")) if hsdp
+            else init_device_mesh("cpu", (world,)))
     policy = kw.get("mp_policy") or MixedPrecisionPolicy()
     options = dict(mesh=mesh, reshard_after_forward=True, mp_policy=policy,
                    **({"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}))

@@ -31,6 +31,8 @@ BAD = [
     (["--link", "1:-5"], "the bandwidth must be positive and the latency 0 or more"),
     (["--link", "1:50", "--collectives", "torch"], "--link simulates a link for the ring"),
     (["--collectives", "ring", "--device", "cuda"], "--collectives ring sends over gloo on the CPU"),
+    (["--shard-group", "3"], "--shard-group 3 must be at least 1 and divide world size 1"),
+    (["--shard-group", "0"], "--shard-group 0 must be at least 1 and divide world size 1"),
 ]
 
 
@@ -43,6 +45,9 @@ def test_bad_flags_one_line_nonzero_exit():
     commands += [[sys.executable, lesson_file("00_collectives"), "--collectives", "ring"],
                  [sys.executable, "-m", "scripts.perf.torch_reference", "--collectives", "ring"]]
     expected += ["00 compares its own ring with torch's collectives", "the PyTorch references run on torch's collectives only"]
+    # 08's shard and replicate groups are sub-groups, which the ring (over the default group) does not carry
+    commands += [[sys.executable, lesson_file("08_hybrid"), "--link", "1:50"]]
+    expected += ["08 runs its collectives over sub-groups, which --collectives ring (and --link) does not carry"]
     for (code, err), msg in zip(run_all(commands), expected):
         assert code == 2, err
         lines = [l for l in err.splitlines() if l.strip()]

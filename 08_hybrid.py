@@ -1,0 +1,159 @@
+"""Lesson 08: hybrid sharding (HSDP). Shard inside a group of G ranks (a node), replicate across groups.
+
+06 sends 3 Psi (N-1)/N per rank per step, and at scale most of the N ranks sit on other nodes:
+inside a node NVLink carries about 370-480 GB/s, across nodes a 400 Gb/s NIC about 46-48. HSDP
+(FSDP2 over a 2-D device mesh; FSDP1's HYBRID_SHARD) runs 06 inside each node only and keeps a
+replica of the whole sharded model on every node. The N = R x G ranks form a grid:
+
+    rank r is in shard group r // G (ranks kG .. kG+G-1: one node; torchrun numbers a node's
+    ranks consecutively) and in replicate group r % G (ranks j, j+G, j+2G, ...: the ranks that
+    hold the same shard, one per node)
+
+Every unit is cut into G shards, not N: at rest each rank holds (4 + 4 + 8) Psi / G bytes. One
+step is 06's, with the collectives inside the shard group, plus one all-reduce across replicas:
+
+    # 1) all-gather unit i inside my shard group      (the fast link; prefetched as in 06)
+    # 2) forward unit i
+    # 3) free unit i's full parameters (keep my shard)
+    # 4) all-gather unit i again for its backward     (the fast link)
+    # 5) reduce-scatter unit i's gradients inside my shard group: my shard, summed over the node
+    # 5b) all-reduce that gradient shard across my replicate group: summed over every rank
+    # 6) the optimizer on my shard (Psi / G), the same update on every replica
+
+Per rank and step: intra 3 Psi (G-1)/G (06's traffic at world size G) and inter 2 (Psi/G)(R-1)/R,
+a ring all-reduce of a shard G times smaller than DDP's gradient. The gradient is the global
+batch's mean: each rank divides by N once, before 5), and 5) and 5b) add up the rest. Clipping
+sums the squared norms of my shards over my shard group only: my replicas hold the same shards,
+and counted over all N ranks each element would count R times. With K micro-steps, 5b) runs at
+each (3 K Psi (G-1)/G and 2 K (Psi/G)(R-1)/R), as FSDP2 does unless told set_requires_all_reduce.
+G = N is 06 exactly (the replicate groups hold one rank each); G = 1 is replication, DDP's
+all-reduce of the whole gradient (Psi/1), with the gathers and reduce-scatters over one rank
+copying.
+
+Relatives, each in a paragraph:
+- ZeRO++'s hpZ (Wang et al. 2023, DeepSpeed `zero_hpz_partition_size`) keeps ZeRO-3's primary
+  partition over all N ranks (optimizer state and gradients Psi / N) and adds a secondary copy of
+  the parameters sharded inside the node: forward gathers over all N ranks, then keeps the node's
+  shard, so backward's all-gather stays inside the node. One of the three collectives moves to the
+  fast link, at the price of Psi / G more parameter bytes; here all three do, and every state is
+  Psi / G.
+- MiCS (Zhang et al. 2022; DeepSpeed `mics_shard_size`) is this grid: shard inside a partition
+  group, replicate across. It adds a hierarchical all-gather for partition groups that span
+  nodes, and with gradient accumulation it syncs across the replicas once, at the last
+  micro-step (its "2-hop" synchronisation), where 08 all-reduces at every micro-step.
+
+    python 08_hybrid.py                                              # one process (world size 1)
+    torchrun --nproc_per_node=4 08_hybrid.py --shard-group 2         # 2 x 2 on CPU (gloo)
+    torchrun --nproc_per_node=2 08_hybrid.py --shard-group 1         # 2 replicas of one shard: DDP
+    torchrun --nproc_per_node=4 08_hybrid.py --shard-group 4         # one group: plain ZeRO-3 (06)
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+             --rdzv-endpoint=HOST:29500 08_hybrid.py --shard-group 8 # shard in each node, run on each
+
+Not wired yet: --collectives ring and --link (the ring runs over the default group only), and
+checkpoints; both refuse in one line.
+
+PyTorch: FSDP2 `fully_shard(block, mesh=init_device_mesh(device, (R, G), mesh_dim_names=("replicate",
+"shard")))` for each block, then the root (FSDP1: ShardingStrategy.HYBRID_SHARD); DeepSpeed: MiCS.
+"""
+import importlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lessonkit import common, lifecycle, measure, optimizers
+from model import get_batch
+
+zero3 = importlib.import_module("06_zero3")  # 08 is 06 over a shard group, plus 5b)
+
+
+# ----------------------------------------------------------------------------- the grid
+def hybrid_groups(shard_size, timeout=None):
+    """The R x G grid's process groups for this rank: (its shard group, its replicate group).
+    new_group is collective over the whole world: every rank creates every group, in the same
+    order, members or not. Named (group_desc) so the measurement can tell the two links apart."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kw = {"timeout": timedelta(seconds=timeout)} if timeout else {}
+    mine = {}
+    for name, grid in (("shard", [list(range(k, k + shard_size)) for k in range(0, world, shard_size)]),
+                       ("replicate", [list(range(j, world, shard_size)) for j in range(shard_size)])):
+        for ranks in grid:  # shard: [0, 1], [2, 3]; replicate: [0, 2], [1, 3] (4 ranks, G = 2)
+            group = dist.new_group(ranks, group_desc=name, **kw)
+            if rank in ranks:
+                mine[name] = group
+    return mine["shard"], mine["replicate"]
+
+
+# ----------------------------------------------------------------------------- the strategy
+class HybridShard(zero3.ZeRO3):
+    """06's ZeRO3 with each unit cut over `shard_group` and every gradient shard all-reduced over
+    `replicate_group`, used where a loop used FSDP2's `fully_shard` over a 2-D mesh (HSDP).
+
+    shard_group      the ranks a unit is cut over (a node): 1) 4) 5) run there
+    replicate_group  the ranks holding the same shard as I do, one per shard group: 5b)
+    everything else as 06's ZeRO3
+
+    `parameters()` are my shards of Psi / G elements; each replica holds and steps the same ones.
+    """
+
+    def __init__(self, module, units=(), mp_policy=None, shard_group=None, replicate_group=None, **kwargs):
+        self.replicate_group = replicate_group
+        super().__init__(module, units, mp_policy, shard_group=shard_group, **kwargs)
+
+    def _wait_reduce_scatters(self):
+        done = [unit for unit, _, _ in self.grads_in_flight]
+        super()._wait_reduce_scatters()  # 5) done: unit.grad_shard, summed over my shard group
+        for unit in done:
+            # 5b) summed over the replicas too, without blocking: backward goes on meanwhile (the
+            # shard is read only after wait(), in _reduced_grad)
+            unit.replicate_work = dist.all_reduce(unit.grad_shard, group=self.replicate_group, async_op=True)
+
+    def _reduced_grad(self, unit):
+        """06's, at the end of backward: my gradient shard, once 5b) has summed it everywhere."""
+        unit.replicate_work.wait()
+        unit.replicate_work = None
+        return super()._reduced_grad(unit)
+
+
+# ----------------------------------------------------------------------------- training
+def build_model(args, env, groups):
+    """06's GPT, each unit sharded over my shard group (`groups`: hybrid_groups' pair)."""
+    shard_group, replicate_group = groups
+    return zero3.build_model(args, env, HybridShard, shard_group=shard_group, replicate_group=replicate_group)
+
+
+def main(argv=None):
+    args = common.parse_args(argv, description=__doc__)
+    if args.collectives == "ring":
+        common.fail("08 runs its collectives over sub-groups, which --collectives ring (and --link) does not "
+                    "carry yet: use --collectives torch")
+    if args.checkpoint_dir:
+        common.fail("08 does not save or resume checkpoints yet: run without --checkpoint-dir")
+    env = common.init_distributed(args)
+    groups = hybrid_groups(args.shard_group or env.world_size, args.timeout)  # the R x G grid
+    model = build_model(args, env, groups)
+    # any optimizer, over my shards (Psi / G), as over FSDP2's (weight decay: the matrices' shards)
+    optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
+    run = measure.Run(args, env, "hybrid", model.module, optimizer, holders=[model])
+
+    ### TRAINING SECTION BEGIN
+    for step in range(args.steps):
+        with run.step(step) as losses:
+            optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
+            for micro in range(args.grad_accum):
+                x, y = get_batch(args, env, step, micro)
+                loss = model(x, y) / args.grad_accum  # 1) gather in my group 2) forward 3) free
+                loss.backward()  # 4) gather 5) reduce-scatter in my group 5b) all-reduce across replicas
+                losses.append(loss)
+            if args.grad_clip > 0:
+                model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce, over my shard group
+            optimizer.step()  # 6) AdamW on my shards, the same on every replica
+            optimizer.zero_grad()
+    ### TRAINING SECTION END
+
+    run.finish()
+    return run
+
+
+if __name__ == "__main__":
+    lifecycle.run_main(main)
