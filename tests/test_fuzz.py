@@ -1,12 +1,12 @@
 """The differential fuzzer's fixed slice (tests/fuzz.py; `make fuzz` searches further): cases
 Hypothesis draws from a fixed seed, PER_WORLD at each world size 1-4, each world's cases in one
-launch of ranks. Every lesson 01-07 against its PyTorch counterpart and single-process training;
+launch of ranks. Every lesson 01-08 against its PyTorch counterpart and single-process training;
 a failure prints each failing case with the one line that reproduces it."""
 import pytest
 
 import fuzz
 
-SEED, PER_WORLD = 2025, 12
+SEED, PER_WORLD = 2025, 9  # 36 cases (make fuzz: 300); 9 since 08 and checkpointing joined each case
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
