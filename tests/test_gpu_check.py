@@ -49,6 +49,11 @@ class FakeLaunch:
                 raise self.ring
             ok = {"equal_to_torch": True, "sent_bytes": 96, "ring_bytes": 96}
             return {"comm": {"per_rank": self.ring or [{k: ok for k in ("reduce_scatter", "all_gather", "all_reduce")}] * nproc}}
+        if "--activation-checkpointing" in args:  # 06 with and without recomputing its blocks
+            mode = args[args.index("--activation-checkpointing") + 1]
+            return {"losses": self.losses.get(f"06 {mode}", REF), "comm": {"issued_ring_bytes_per_step": 96},
+                    "memory": {"per_rank": [{"peak_activations": 100 if mode == "none" else 40}],
+                               "theory_activations": {"none": 100, "block": 40}}}
         if script == "06_zero3" and "--save-every" in args:
             return {"losses": REF[:2]}
         if script == "06_zero3" and "--resume" in args:
@@ -56,15 +61,23 @@ class FakeLaunch:
         return {"losses": REF}  # 01 on the CPU (the reference) and 06 uninterrupted
 
 
-def gpu_check_exit(monkeypatch, tmp_path, fake, gpus=None, device="cpu"):
+def gpu_check_exit(monkeypatch, tmp_path, fake, gpus=None, device="cpu", quick=True):
     """gpu_check's main() with `fake` for every launch (and `gpus` GPUs, if given; `device` "cuda"
-    takes the GPU path with them, faked): its exit code."""
+    takes the GPU path with them, faked; quick=False: the full check's runs too): its exit code."""
     monkeypatch.setattr(gpu_check, "launch", fake)
     if gpus is not None:
         monkeypatch.setattr(gpu_check, "machine", lambda device: (gpus, f"{gpus} x a faked GPU"))
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    monkeypatch.setattr(sys, "argv", ["gpu_check", "--device", device, "--quick", "--out", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--device", device, *(["--quick"] if quick else []),
+                                      "--out", str(tmp_path)])
     return gpu_check.main()
+
+
+def test_the_full_check_runs_06_with_and_without_checkpointing(monkeypatch, tmp_path, capsys):
+    fake = FakeLaunch()
+    assert gpu_check_exit(monkeypatch, tmp_path, fake, quick=False) == 0, capsys.readouterr().out
+    assert "- 06_zero3 with --activation-checkpointing block against without, 1 device: loss difference 0.0e+00; " \
+           "none: activations 0.00 MiB measured" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_runs_that_agree_pass_and_00_runs_at_world_2(monkeypatch, tmp_path, capsys):
@@ -100,6 +113,12 @@ def test_bf16_is_checked_against_one_gpu_as_the_cpu_cannot_tell(monkeypatch, tmp
     assert capsys.readouterr().out.splitlines()[-1] == (
         "gpu-check: FAILED: 04_zero1 world 1 bf16 against 1 GPU: 8.0e-03 apart (tolerance 0.005); "
         "04_zero1 world 2 bf16 against 1 GPU: 8.0e-03 apart (tolerance 0.005)")
+
+
+def test_a_checkpointed_run_off_its_plain_twin_fails(monkeypatch, tmp_path, capsys):
+    fake = FakeLaunch({"06 block": REF[:3] + [REF[3] + 1e-3]})  # 1e-3 > the one-GPU fp32 tolerance
+    assert gpu_check_exit(monkeypatch, tmp_path, fake, quick=False) == 1
+    assert "--activation-checkpointing block against without, 1 device: 1.0e-03 apart" in capsys.readouterr().out
 
 
 def test_a_nan_in_the_resumed_run_fails(monkeypatch, tmp_path, capsys):

@@ -319,7 +319,8 @@ def check(a):
         diff, why = compare(resumed, whole, TOLERANCE["CPU"]["fp32"])
         checks.append((f"06_zero3 saved and resumed, {moved}, against uninterrupted", why,
                        f"loss difference {diff:.1e} (tolerance {TOLERANCE['CPU']['fp32']:g})"))
-    checks.append(activations(flags, a.device))
+    if not a.quick:  # (the test suite runs --quick on CPU: tests/test_gpu_check.py checks this one's logic)
+        checks.append(activations(flags, a.device))
     widest = spread(rows)
     offload = [offload_line(world, p, by_world[world]["07_offload"]) for p, by_world in reports.items()
                for world in worlds if "07_offload" in a.lessons]
