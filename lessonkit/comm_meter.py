@@ -33,9 +33,8 @@ class CommMeter:
 
     def __init__(self, world_size, cpu_timed=True):
         self.world, self.cpu_timed = world_size, cpu_timed
-        self.ops = {}
-        # the same per process group, by its name ("world", or 08's "shard" and "replicate"), with
-        # its size: a collective's ring factor is its group's, not the world's
+        # per process group, by its name ("world", or 08's "shard" and "replicate"): its size and
+        # {kind: {"calls", "bytes"}} (a collective's ring factor is its group's, not the world's)
         self.groups = {}
         self.calls = []  # [kind, payload bytes] per call, in issue order: e.g. no bucket is the whole gradient
         self.wire_bytes = None  # what this process wrote while measuring (Linux, gloo): see bytes_written
@@ -51,11 +50,21 @@ class CommMeter:
         world = group in (None, dist.group.WORLD)
         name = "world" if world else getattr(group, "group_desc", "group")  # (new_group(group_desc=...))
         size = self.world if world else dist.get_world_size(group)
-        for ops in (self.ops, self.groups.setdefault(name, {"size": size, "ops": {}})["ops"]):
-            entry = ops.setdefault(kind, {"calls": 0, "bytes": 0})
-            entry["calls"] += 1
-            entry["bytes"] += nbytes
+        entry = self.groups.setdefault(name, {"size": size, "ops": {}})["ops"].setdefault(kind, {"calls": 0, "bytes": 0})
+        entry["calls"] += 1
+        entry["bytes"] += nbytes
         self.calls.append([kind, nbytes])
+
+    @property
+    def ops(self):
+        """{kind: {"calls", "bytes"}}, over every group."""
+        out = {}
+        for g in self.groups.values():
+            for kind, v in g["ops"].items():
+                entry = out.setdefault(kind, {"calls": 0, "bytes": 0})
+                entry["calls"] += v["calls"]
+                entry["bytes"] += v["bytes"]
+        return out
 
     @contextmanager
     def measuring(self):

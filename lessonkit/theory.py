@@ -127,7 +127,7 @@ def theory_activations(rows, seq, d_model, n_head, n_layer, vocab, precision, ch
 
     With "block" checkpointing forward keeps each block's input only ((L + 2) BTC in all); in
     backward the last block is recomputed beside the L inputs still needed, up to (not including)
-    its output, 15 BTC + 4 BT + BHT: whichever of the two is larger.
+    its output, 15 BTC + 4 BT elements + 4 BHT bytes: whichever of the two is larger.
     """
     b = STATE_BYTES[precision]["params"]
     btc, bt, bht, btv = rows * seq * d_model, rows * seq, rows * n_head * seq, rows * seq * vocab

@@ -37,7 +37,7 @@ import sys
 import tempfile
 
 from scripts.perf.sweep import NO_PREFETCH
-from scripts.runs import ROOT, available_lessons
+from scripts.runs import ROOT, available_lessons, device_and_host
 
 CHECK, CROSS = "\u2713", "\u2717"
 
@@ -76,7 +76,7 @@ def table(reports, steps, nproc):
         m, th, host = r["memory"]["per_rank"][0], r["memory"]["theory"], []
         if "host" in m:  # 07: what its device holds, by category; its host tier, all categories, beside
             tiers = r["memory"]["theory_tiers"]
-            host = [fmt(sum(m["host"][k] for k in ("params", "grads", "optimizer"))), fmt(sum(tiers["host"].values()))]
+            host = [fmt(device_and_host(m)[1]), fmt(sum(tiers["host"].values()))]
             m, th = m["device"], tiers["device"]
         ov = r["comm"]["overlap"] or {}
         rows.append(line([lesson.replace("_zero3 --prefetch 0", "_no_prefetch"), f"{loss:.4f}",
