@@ -43,16 +43,18 @@ from model import GPT
 class Ring:
     """Ring collectives over point-to-point sends. `sent` counts the bytes this rank sends.
 
-    The same ring carries 01-06's collectives under `--collectives ring` (scripts/perf/
-    ring_collectives.py), so it also takes a process group of every rank (the transport's own
-    sockets), any length of tensor (the chunks then differ by at most one element:
-    tensor_split), and a simulated link that makes each send cost what it would on a real one
-    (Link, below; None: as fast as it goes)."""
+    The same ring carries 01-08's collectives under `--collectives ring` (scripts/perf/
+    ring_collectives.py), so it also takes a process group (the transport's own sockets, or one
+    of 08's groups: its ranks in the group's order), any length of tensor (the chunks then differ
+    by at most one element: tensor_split), and a simulated link that makes each send cost what it
+    would on a real one (Link, below; None: as fast as it goes)."""
 
     def __init__(self, group=None, link=None):
         self.group, self.link = group, link
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.right, self.left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        # my neighbours as global ranks, which is what a send names (in 08's group [1, 3], rank 1's right is 3)
+        ranks = range(self.world_size) if group is None else dist.get_process_group_ranks(group)
+        self.right, self.left = ranks[(self.rank + 1) % self.world_size], ranks[(self.rank - 1) % self.world_size]
         self.sent = 0
 
     def _exchange(self, send, recv):

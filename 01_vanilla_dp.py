@@ -17,7 +17,9 @@ more. 02 moves the call inside `loss.backward()`, as DDP does (hooks, the end-of
 callback, `no_sync()`). In bf16, micro-steps' gradients add up in fp32, never in bf16:
 ddp.Replicas keeps their fp32 sum, and p.grad holds it rounded once, which is what the
 all-reduce moves (a bf16 running sum keeps 8 significant bits: a small micro-step's gradient
-can vanish in it whole).
+can vanish in it whole). In fp16 the loop scales the loss, as with torch.amp.GradScaler
+(`scaler.scale(loss).backward()`, `scaler.step(optimizer)`, `scaler.update()`): fp16's range is
+narrow, and lessonkit/loss_scale.py says why and how.
 
     python 01_vanilla_dp.py                                  # one process (world size 1)
     torchrun --nproc_per_node=2 01_vanilla_dp.py             # 2 ranks on CPU (gloo)
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
+from lessonkit import checkpoint, common, ddp, lifecycle, loss_scale, measure, optimizers
 from model import get_batch
 
 
@@ -48,8 +50,8 @@ class VanillaDP(ddp.Replicas):
         # Each rank's loss is the mean over its own rows; the global loss is the mean of those
         # means, so the global gradient is the SUM of the ranks' gradients divided by N.
         # (Dividing first, as DDP does, works on every backend, where older gloo had no
-        # ReduceOp.AVG; in fp16 it would also keep the sum from overflowing, a concern bf16,
-        # with fp32's range, does not have.)
+        # ReduceOp.AVG; in fp16 it also keeps the sum from overflowing, a concern bf16, with
+        # fp32's range, does not have.)
         # model.parameters() yields a tied parameter once, so it is reduced once.
         # Collectives are matched by the order they are issued, so every rank must all-reduce the
         # same parameters in the same order whatever its data did. A parameter this rank's forward
@@ -81,7 +83,9 @@ def main(argv=None):
     # weight decay on matrices and embeddings only (optimizers.decay_groups, as nanoGPT)
     optimizer = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                            **optimizers.adamw_kwargs(args))
-    run = measure.Run(args, env, "vanilla_dp", model.module, optimizer, holders=[model])
+    # fp16: dynamic loss scaling, GradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    run = measure.Run(args, env, "vanilla_dp", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
                                    functools.partial(optimizers.checkpoint_shards, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
@@ -93,10 +97,11 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
-                loss.backward()
+                scaler.scale(loss).backward()
                 losses.append(loss)
             model.all_reduce_gradients()  # after backward: every rank now holds the global-batch mean
-            optimizer.step()
+            scaler.step(optimizer)  # fp16: unscaled in fp32; an inf or NaN on any rank: every rank skips it
+            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)
     ### TRAINING SECTION END

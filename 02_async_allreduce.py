@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
+from lessonkit import checkpoint, common, ddp, lifecycle, loss_scale, measure, optimizers
 from model import get_batch
 
 
@@ -103,7 +103,9 @@ def main(argv=None):
     # weight decay on matrices and embeddings only (optimizers.decay_groups, as nanoGPT)
     optimizer = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                            **optimizers.adamw_kwargs(args))
-    run = measure.Run(args, env, "async_allreduce", model.module, optimizer, holders=[model])
+    # fp16: dynamic loss scaling, GradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    run = measure.Run(args, env, "async_allreduce", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
                                    functools.partial(optimizers.checkpoint_shards, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
@@ -118,9 +120,10 @@ def main(argv=None):
                 # rather than wrap the other micro-steps in DDP's `no_sync()`).
                 model.require_backward_grad_sync = micro == args.grad_accum - 1
                 loss = model(x, y) / args.grad_accum  # gradients accumulate in .grad
-                loss.backward()  # the hooks launch the all-reduces; at its end, wait for them all
+                scaler.scale(loss).backward()  # the hooks launch the all-reduces; at its end, wait for them all
                 losses.append(loss)
-            optimizer.step()
+            scaler.step(optimizer)  # fp16: unscaled in fp32; an inf or NaN on any rank: every rank skips it
+            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)
     ### TRAINING SECTION END

@@ -15,12 +15,19 @@ bytes of optimizer state instead of 12 Psi.
     python 04_zero1.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 04_zero1.py                  # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=2 04_zero1.py --precision bf16 # the ZeRO paper's accounting
+    torchrun --nproc_per_node=2 04_zero1.py --precision fp16 # the same, with loss scaling
     torchrun --nproc_per_node=4 04_zero1.py --device cuda    # 4 GPUs (nccl)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 04_zero1.py         # 2 nodes, run on each
 
 PyTorch: `torch.distributed.optim.ZeroRedundancyOptimizer` (which shards the optimizer state
 but leaves gradients to DDP's all-reduce); DeepSpeed: ZeRO stage 1.
+
+In fp16 the loop scales the loss as 01-03 do (`scaler.scale(loss).backward()`,
+`scaler.step(optimizer)`, `scaler.update()`), and the check for an inf or NaN must now be
+global: after the reduce-scatter each rank holds only its shard of the gradient, so an overflow
+in rank 1's shard is invisible to rank 0 unless the found-inf flag is all-reduced (as clipping
+all-reduces its norm). lessonkit/loss_scale.py does that, once per step.
 """
 import functools
 import math
@@ -28,7 +35,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
+from lessonkit import checkpoint, common, ddp, lifecycle, loss_scale, measure, optimizers
 from model import get_batch
 
 
@@ -51,9 +58,11 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     broadcast here, so ranks may start from different weights. Call `step()` once per optimizer
     step, after the last micro-step's backward, then `zero_grad()`.
 
-    In bf16, micro-steps' gradients add up in fp32, never in bf16: the flat buffer holds their
-    fp32 sum (ddp.FP32Accumulation, as 01-03) rounded once, which the reduce-scatter moves.
+    In bf16 and fp16, micro-steps' gradients add up in fp32, never in 2 bytes: the flat buffer
+    holds their fp32 sum (ddp.FP32Accumulation, as 01-03) rounded once, which the reduce-scatter
+    moves.
     """
+    unscale_in_step = True  # fp16: LossScaler.step calls step(unscale=) (lessonkit/loss_scale.py)
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, grad_clip=0.0, find_unused_parameters=False,
                  **defaults):
@@ -101,11 +110,11 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
                                                          **defaults)
         super().__init__(self.shard_optimizer.masters, defaults)
         self.param_groups = self.shard_optimizer.param_groups  # what an lr_scheduler sets is what steps
-        # in bf16, from a parameter's second micro-step on: an fp32 sum, 4 bytes per parameter
+        # in bf16 (fp16), from a parameter's second micro-step on: an fp32 sum, 4 bytes per parameter
         self.grad_accumulation = ddp.FP32Accumulation(self.params)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, unscale=None):
         assert closure is None, "closures are not supported"
         self._gradients_into_flat_buffer()
         # 1) reduce-scatter the flat gradient, averaged: afterwards I hold the global batch's
@@ -122,13 +131,18 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         dist.reduce_scatter_tensor(grad_shard, self.flat_grad)
         # ### END SOLUTION
 
-        # 2) AdamW on my shard, in fp32 (bf16 gradients are cast up first, as 01-03 do), clipped
-        # by the global norm; it leaves the updated weights in my shard of the flat buffer.
-        self.shard_optimizer.step([grad_shard])
+        # 2) AdamW on my shard, in fp32 (bf16 and fp16 gradients are cast up first, as 01-03 do),
+        # clipped by the global norm; it leaves the updated weights in my shard of the flat buffer.
+        # fp16: unscale (the loss scaler's) divides my fp32 shard by the scale before clipping, and
+        # if any rank's shard holds an inf or NaN every rank skips this step, its shard untouched.
+        self.shard_optimizer.step([grad_shard], unscale)
 
         # 3) all-gather every rank's updated shard into the flat buffer, so every parameter view
         # is current. In place: my shard already sits at its slot of the output, which NCCL and
-        # gloo allow.
+        # gloo allow. A skipped step (fp16) all-gathers too: every shard is unchanged, so each
+        # parameter gets back the value it has, on every rank. Not worth a branch: the same
+        # collectives every step (the bytes the summary counts), one wasted all-gather per
+        # skipped step, a few in thousands. (DeepSpeed returns before it.)
         # ### BEGIN SOLUTION: 3) all-gather the parameters
         # GOAL: afterwards self.flat_param holds every rank's updated slice (self.param_shard on
         #       each), on every rank, in the working precision; one collective.
@@ -173,7 +187,9 @@ def main(argv=None):
     model = common.build_model(args, env)
     optimizer = ZeRO1Optimizer(optimizers.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
                                torch.optim.AdamW, grad_clip=args.grad_clip, **optimizers.adamw_kwargs(args))
-    run = measure.Run(args, env, "zero1", model, optimizer)
+    # fp16: dynamic loss scaling, GradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    run = measure.Run(args, env, "zero1", model, optimizer, loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
                                    functools.partial(checkpoint_shards, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
@@ -185,10 +201,12 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
-                loss.backward()  # gradients accumulate locally, in the flat buffer (bf16: in fp32)
-                losses.append(loss)
-            # ZeRO-1 keeps the full gradient, so it communicates once per optimizer step:
-            optimizer.step()  # 1) reduce-scatter  2) AdamW on my shard  3) all-gather
+                scaler.scale(loss).backward()  # gradients accumulate locally, in the flat buffer
+                losses.append(loss)  # (bf16, fp16: in fp32)
+            # ZeRO-1 keeps the full gradient, so it communicates once per optimizer step (fp16:
+            # unscaled in my shard, in fp32; an inf or NaN in any rank's shard: every rank skips 2)):
+            scaler.step(optimizer)  # 1) reduce-scatter  2) AdamW on my shard  3) all-gather
+            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
             optimizer.zero_grad(set_to_none=False)  # in place: the grads stay views, no copy
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END

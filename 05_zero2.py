@@ -21,6 +21,7 @@ the step each bucket is all-gathered. Communication is the same as in 01 and 04:
     python 05_zero2.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 05_zero2.py                  # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=2 05_zero2.py --precision bf16 # the ZeRO paper's accounting
+    torchrun --nproc_per_node=2 05_zero2.py --precision fp16 # the same, with loss scaling (as 04)
     torchrun --nproc_per_node=2 05_zero2.py --bucket-mb 0.25 # 22 buckets instead of 2
     torchrun --nproc_per_node=4 05_zero2.py --device cuda    # 4 GPUs (nccl)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
@@ -29,11 +30,11 @@ the step each bucket is all-gathered. Communication is the same as in 01 and 04:
 PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)`; DeepSpeed: ZeRO stage 2.
 
 Gradient accumulation (--grad-accum K): this lesson reduce-scatters on every micro-step and
-adds my slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do. In bf16,
-micro-steps' gradients add up in fp32, never in bf16 (the shard becomes fp32 at the second
-micro-step: 4 Psi / N bytes). The other choice, 04's, accumulating locally and reducing once,
-needs the whole gradient alive between micro-steps: 2 Psi bytes, and in bf16 4 Psi more for
-its fp32 sum, which is what this stage exists to remove.
+adds my slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do. In bf16
+and fp16, micro-steps' gradients add up in fp32, never in 2 bytes (the shard becomes fp32 at the
+second micro-step: 4 Psi / N bytes). The other choice, 04's, accumulating locally and reducing
+once, needs the whole gradient alive between micro-steps: 2 Psi bytes, and in bf16 or fp16 4 Psi
+more for its fp32 sum, which is what this stage exists to remove.
 The price of keeping 2 Psi / N: K reduce-scatters per optimizer step, (K + 1) Psi (N-1)/N
 elements sent instead of 2 Psi (N-1)/N, each hidden behind its micro-step's backward as far
 as the bandwidth allows. Where memory is plenty and bandwidth scarce, ZeRO-1 accumulates for free.
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from bucket import BucketManager
-from lessonkit import checkpoint, common, ddp, lifecycle, measure, optimizers
+from lessonkit import checkpoint, common, ddp, lifecycle, loss_scale, measure, optimizers
 from model import get_batch
 
 
@@ -72,6 +73,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     different weights. Each backward ends by waiting for its reduce-scatters (a callback queued
     with the autograd engine, inside loss.backward()); then `step()` and `zero_grad()`.
     """
+    unscale_in_step = True  # fp16: LossScaler.step calls step(unscale=) (lessonkit/loss_scale.py)
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, bucket_cap_mb=25.0, grad_clip=0.0,
                  find_unused_parameters=False, first_bucket_cap_mb=1.0, bucket_order=None, **defaults):
@@ -170,16 +172,17 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         self.grad_buckets.finish()
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, unscale=None):
         assert closure is None, "closures are not supported"
         assert None not in self.grad_shards, "step() before any backward since zero_grad()"
         # 1) the reduce-scatters ran during backward: my gradient shards are ready.
 
-        # 2) AdamW on my shard of every bucket, in fp32 (bf16 gradients are cast up first), as in 04
-        self.shard_optimizer.step(self.grad_shards)
+        # 2) AdamW on my shard of every bucket, in fp32 (bf16 and fp16 gradients are cast up
+        # first), as in 04; fp16: unscaled there, and skipped on every rank if any rank's shards hold an inf
+        self.shard_optimizer.step(self.grad_shards, unscale)
 
         # 3) per bucket: all-gather every rank's updated shard into its flat buffer, in place as
-        # in 04; all buckets at once, then wait.
+        # in 04; all buckets at once, then wait. (A skipped step too, as 04: each shard is unchanged.)
         works = []
         for flat_param, param_shard in zip(self.flat_params, self.param_shards):
             works.append(dist.all_gather_into_tensor(flat_param, param_shard, async_op=True))
@@ -211,7 +214,9 @@ def main(argv=None):
                                torch.optim.AdamW, bucket_cap_mb=args.bucket_mb, grad_clip=args.grad_clip,
                                bucket_order=model.parameters(),  # bucket 0 = the last layers: fills first
                                **optimizers.adamw_kwargs(args))
-    run = measure.Run(args, env, "zero2", model, optimizer)
+    # fp16: dynamic loss scaling, GradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    run = measure.Run(args, env, "zero2", model, optimizer, loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
                                    functools.partial(checkpoint_shards, optimizer))
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
@@ -223,9 +228,11 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
-                loss.backward()  # 1) each bucket is reduce-scattered as soon as it is full, every
-                losses.append(loss)  # micro-step (no full gradient is kept); waited for at its end
-            optimizer.step()  # 2) AdamW on my shards  3) all-gather, bucket by bucket
+                scaler.scale(loss).backward()  # 1) each bucket is reduce-scattered as soon as it is
+                losses.append(loss)  # full, every micro-step (no full gradient is kept); waited for at its end
+            # (fp16: unscaled in my shards, in fp32; an inf or NaN in any rank's shards: every rank skips 2))
+            scaler.step(optimizer)  # 2) AdamW on my shards  3) all-gather, bucket by bucket
+            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END

@@ -46,22 +46,22 @@ Relatives, each in a paragraph:
     torchrun --nproc_per_node=4 08_hybrid.py --shard-group 2         # 2 x 2 on CPU (gloo)
     torchrun --nproc_per_node=2 08_hybrid.py --shard-group 1         # 2 replicas of one shard: DDP
     torchrun --nproc_per_node=4 08_hybrid.py --shard-group 4         # one group: plain ZeRO-3 (06)
+    torchrun --nproc_per_node=4 08_hybrid.py --shard-group 2 \\
+             --link 10:5 --inter-link 0.5:100                        # 2 x 2 on 00's ring, a slow link between "nodes"
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 08_hybrid.py --shard-group 8 # shard in each node, run on each
-
-Not wired yet: --collectives ring and --link (the ring runs over the default group only), and
-checkpoints; both refuse in one line.
 
 PyTorch: FSDP2 `fully_shard(block, mesh=init_device_mesh(device, (R, G), mesh_dim_names=("replicate",
 "shard")))` for each block, then the root (FSDP1: ShardingStrategy.HYBRID_SHARD); DeepSpeed: MiCS.
 """
+import functools
 import importlib
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from lessonkit import common, lifecycle, measure, optimizers
+from lessonkit import checkpoint, common, lifecycle, measure, optimizers
 from model import get_batch
 
 zero3 = importlib.import_module("06_zero3")  # 08 is 06 over a shard group, plus 5b)
@@ -74,10 +74,16 @@ def hybrid_groups(shard_size, timeout=None):
     order, members or not. Named (group_desc) so the measurement can tell the two links apart."""
     rank, world = dist.get_rank(), dist.get_world_size()
     kw = {"timeout": timedelta(seconds=timeout)} if timeout else {}
+    # ### BEGIN SOLUTION: the grid's groups
+    # GOAL: shards lists the shard groups' ranks (each G consecutive ranks: a node) and replicas
+    #       the replicate groups' (each the ranks that hold the same shard, one per node), in rank
+    #       order: with 4 ranks and G = 2, [[0, 1], [2, 3]] and [[0, 2], [1, 3]].
+    shards = [list(range(k, k + shard_size)) for k in range(0, world, shard_size)]
+    replicas = [list(range(j, world, shard_size)) for j in range(shard_size)]
+    # ### END SOLUTION
     mine = {}
-    for name, grid in (("shard", [list(range(k, k + shard_size)) for k in range(0, world, shard_size)]),
-                       ("replicate", [list(range(j, world, shard_size)) for j in range(shard_size)])):
-        for ranks in grid:  # shard: [0, 1], [2, 3]; replicate: [0, 2], [1, 3] (4 ranks, G = 2)
+    for name, grid in (("shard", shards), ("replicate", replicas)):
+        for ranks in grid:
             group = dist.new_group(ranks, group_desc=name, **kw)
             if rank in ranks:
                 mine[name] = group
@@ -104,15 +110,30 @@ class HybridShard(zero3.ZeRO3):
         done = [unit for unit, _, _ in self.grads_in_flight]
         super()._wait_reduce_scatters()  # 5) done: unit.grad_shard, summed over my shard group
         for unit in done:
-            # 5b) summed over the replicas too, without blocking: backward goes on meanwhile (the
-            # shard is read only after wait(), in _reduced_grad)
+            # ### BEGIN SOLUTION: all-reduce a gradient shard across the replicas
+            # GOAL: 5b) unit.grad_shard, summed over my shard group, becomes the sum over every rank,
+            #       without blocking: backward goes on meanwhile, and unit.replicate_work keeps what
+            #       _reduced_grad waits for before it reads the shard.
             unit.replicate_work = dist.all_reduce(unit.grad_shard, group=self.replicate_group, async_op=True)
+            # ### END SOLUTION
 
     def _reduced_grad(self, unit):
         """06's, at the end of backward: my gradient shard, once 5b) has summed it everywhere."""
         unit.replicate_work.wait()
         unit.replicate_work = None
         return super()._reduced_grad(unit)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def checkpoint_shards(model, optimizer, names):
+    """06's, written by shard group 0 only (ranks 0 .. G-1): the other groups are its replicas,
+    holding the same shards, and a checkpoint holds each element once. So the files are a 06
+    checkpoint at world size G, which any grid (or 06) resumes: every rank loads its own shard."""
+    shards = zero3.checkpoint_shards(model, optimizer, names)
+    if dist.get_rank(model.replicate_group) > 0:  # a replica of shard group 0
+        for s in shards:
+            s.owned = (s.owned[0], s.owned[0])  # writes nothing; loads its shard all the same
+    return shards
 
 
 # ----------------------------------------------------------------------------- training
@@ -124,20 +145,18 @@ def build_model(args, env, groups):
 
 def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
-    if args.collectives == "ring":
-        common.fail("08 runs its collectives over sub-groups, which --collectives ring (and --link) does not "
-                    "carry yet: use --collectives torch")
-    if args.checkpoint_dir:
-        common.fail("08 does not save or resume checkpoints yet: run without --checkpoint-dir")
     env = common.init_distributed(args)
     groups = hybrid_groups(args.shard_group or env.world_size, args.timeout)  # the R x G grid
     model = build_model(args, env, groups)
     # any optimizer, over my shards (Psi / G), as over FSDP2's (weight decay: the matrices' shards)
     optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
     run = measure.Run(args, env, "hybrid", model.module, optimizer, holders=[model])
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
+                                   functools.partial(checkpoint_shards, model, optimizer))
+    start = ckpt.resume()  # 0, or the step the newest checkpoint stopped at (any grid's, or 06's)
 
     ### TRAINING SECTION BEGIN
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         with run.step(step) as losses:
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
@@ -149,6 +168,7 @@ def main(argv=None):
                 model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce, over my shard group
             optimizer.step()  # 6) AdamW on my shards, the same on every replica
             optimizer.zero_grad()
+        ckpt.maybe_save(step + 1)  # every --save-every steps (shard group 0 writes: 06's files at world G)
     ### TRAINING SECTION END
 
     run.finish()

@@ -24,8 +24,8 @@ scaling: setup   ## step time, bytes sent and held per rank vs model size (~1M-5
 figures: setup   ## regenerate the README's figures from fresh runs
 	$(PY) -m scripts.perf.figures
 
-lecture: setup   ## the lecture run: 01 -> 07 at 2 ranks in one launch, one table (about 2 minutes); FIGURES=1 also redraws the README's figures; LINK=1:50 on a simulated link
-	$(PY) -m scripts.learn.lecture $(if $(filter 1 yes true,$(FIGURES)),--figures) $(if $(LINK),--link $(LINK))
+lecture: setup   ## the lecture run: 01 -> 08 at 2 ranks in one launch, one table (about 2 minutes); FIGURES=1 also redraws the README's figures; LINK=1:50 on a simulated link; HYBRID=1: 06 against 08 at 4 ranks on two simulated nodes (LINK inside, INTER between: 10:5 and 0.5:100 by default)
+	$(PY) -m scripts.learn.lecture $(if $(filter 1 yes true,$(FIGURES)),--figures) $(if $(filter 1 yes true,$(HYBRID)),--hybrid) $(if $(LINK),--link $(LINK)) $(if $(INTER),--inter-link $(INTER))
 
 at-scale: setup  ## the at-scale cost model: published checks, then calibrate on this machine (~1 minute): runs/at_scale/calibration.json
 	$(PY) -m scripts.learn.at_scale --check-published && $(PY) -m scripts.learn.at_scale --calibrate

@@ -137,8 +137,7 @@ def read(path, check=None):
             saved = torch.load(file, weights_only=True, mmap=True, map_location="cpu")
         except Exception as e:
             raise CheckpointError(f"{file} is unreadable (truncated or corrupt): {str(e).splitlines()[0]}") from None
-        if saved.get("save_id") != meta.get("save_id") or saved["step"] != meta["step"] \
-                or _layout(saved["entries"]) != layout:
+        if (saved.get("save_id"), saved["step"], _layout(saved["entries"])) != (meta.get("save_id"), meta["step"], layout):
             raise CheckpointError(f"{file} does not belong to this checkpoint (another save wrote it)")
         meta["rng"].append(saved["rng"])
         for e in saved["entries"]:
@@ -229,6 +228,8 @@ class Checkpointer:
     def _check(self, meta):
         ours = {"strategy": self.strategy, **{k: getattr(self.args, k) for k in self.MUST_MATCH}}
         theirs = {"strategy": meta["strategy"], **{k: meta["config"].get(k) for k in self.MUST_MATCH}}
+        if {ours["strategy"], theirs["strategy"]} <= {"zero3", "hybrid"}:  # 08's files are a 06 checkpoint at
+            theirs["strategy"] = ours["strategy"]  # world size G: the one pair of lessons that resume each other's
         differ = [f"{k} {theirs[k]} (checkpoint) != {ours[k]} (this run)" for k in ours if ours[k] != theirs[k]]
         if differ:
             raise CheckpointError(f"{self.path} does not match this run: {'; '.join(differ)}")

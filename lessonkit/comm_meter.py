@@ -47,9 +47,8 @@ class CommMeter:
 
     def _record(self, kind, tensor, group=None):
         nbytes = tensor.numel() * tensor.element_size()
-        world = group in (None, dist.group.WORLD)
-        name = "world" if world else getattr(group, "group_desc", "group")  # (new_group(group_desc=...))
-        size = self.world if world else dist.get_world_size(group)
+        name = group_name(group)
+        size = self.world if name == "world" else dist.get_world_size(group)
         entry = self.groups.setdefault(name, {"size": size, "ops": {}})["ops"].setdefault(kind, {"calls": 0, "bytes": 0})
         entry["calls"] += 1
         entry["bytes"] += nbytes
@@ -157,6 +156,12 @@ class _TimedWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+def group_name(group):
+    """A process group's name in the counts: "world" for the default group, else its group_desc
+    (new_group(group_desc=...): 08's "shard" and "replicate")."""
+    return "world" if group in (None, dist.group.WORLD) else getattr(group, "group_desc", "group")
 
 
 def bytes_written():

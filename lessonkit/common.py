@@ -1,7 +1,6 @@
 """What every lesson sets up before its algorithm: flags, the device and the process group, the
 model (the GPT and its data: model.py). (DDP's shape for 01-03: ddp.py; the optimizers' side: optimizers.py; a clean
-exit and naming a lost rank: lifecycle.py.)
-"""
+exit and naming a lost rank: lifecycle.py.)"""
 import argparse
 import os
 import warnings
@@ -60,8 +59,8 @@ def build_parser(description=""):
                    help="raise the learning rate linearly over the first K steps")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     g.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 turns it off")
-    g.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="bf16: bf16 parameters, gradients and collectives, fp32 master weights and moments")
+    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16, fp16: 2-byte parameters, gradients, collectives; fp32 masters, moments (fp16: loss scaled)")
     g = p.add_argument_group("communication")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (03, 05)")
     g.add_argument("--prefetch", type=int, choices=[0, 1], default=1,
@@ -70,13 +69,17 @@ def build_parser(description=""):
                    help="07: every unit cut evenly over all ranks, or each whole on one rank (the older layout)")
     g.add_argument("--shard-group", type=int, default=None, metavar="G",
                    help="08: shard over groups of G ranks (a node), replicate across them; must divide the "
-                        "world size (default: the world size, plain ZeRO-3)")
+                        "world size (default: --ranks-per-node, else the world size: plain ZeRO-3)")
     g.add_argument("--collectives", choices=["torch", "ring"], default=None,
                    help="torch (default): the backend's own collectives; ring: lesson 00's ring of sends "
                         "(scripts/perf/ring_collectives.py), whose bytes on the wire are the ZeRO paper's")
     g.add_argument("--link", metavar="GBPS:LATENCY_US", default=None,
                    help="a simulated link for the ring (implies --collectives ring): each send costs "
-                        "latency + bytes / bandwidth, e.g. 1:50 (1 Gb/s, 50 us)")
+                        "latency + bytes / bandwidth, e.g. 1:50 (1 Gb/s, 50 us); with --inter-link, inside a node")
+    g.add_argument("--inter-link", metavar="GBPS:LATENCY_US", default=None,
+                   help="the link between simulated nodes (implies --collectives ring): a send to another node, e.g. 1:50")
+    g.add_argument("--ranks-per-node", type=int, default=None, metavar="G",
+                   help="with --inter-link: nodes of G consecutive ranks (default: --shard-group, 08's node)")
     g = p.add_argument_group("checkpoints (checkpoint.py)")
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                    help="DIR/step_NNNNNN/: each rank's shard, meta.json, COMPLETE")
@@ -102,14 +105,12 @@ def build_parser(description=""):
 def parse_args(argv=None, description=""):
     args = build_parser(description).parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    positive = ["steps", "global_batch", "grad_accum", "seq_len", "vocab_size", "n_layer",
-                "d_model", "n_head", "log_every"]
+    positive = ["steps", "global_batch", "grad_accum", "seq_len", "vocab_size", "n_layer", "d_model", "n_head", "log_every"]
     for name in positive:
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.global_batch % (world * args.grad_accum):
-        fail(f"--global-batch {args.global_batch} must be divisible by world size {world} "
-             f"x --grad-accum {args.grad_accum}")
+        fail(f"--global-batch {args.global_batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")
     if args.d_model % args.n_head:
         fail(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     if args.lr <= 0 or args.bucket_mb <= 0 or args.grad_clip < 0 or args.timeout <= 0:
@@ -119,17 +120,26 @@ def parse_args(argv=None, description=""):
             fail(f"--{name.replace('_', '-')} must be 0 or positive, got {getattr(args, name)}")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
+    if args.precision == "fp16" and (description[:9] in [f"Lesson 0{n}" for n in range(6, 9)] or args.checkpoint_dir):
+        fail("--precision fp16: lessons 01-05 so far, without checkpoints (no loss scale saved); 06-08 run fp32 or bf16")
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
-    if args.link is not None:
-        if args.collectives == "torch":
-            fail("--link simulates a link for the ring: use it with --collectives ring (or alone), not torch")
+    for flag, spec in (("--link", args.link), ("--inter-link", args.inter_link)):
+        if spec is not None and args.collectives == "torch":
+            fail(f"{flag} simulates a link for the ring: use it with --collectives ring (or alone), not torch")
         try:
-            ring_collectives.lesson_00().Link.parse(args.link)
+            if spec is not None:
+                ring_collectives.lesson_00().Link.parse(spec)
         except ValueError as e:
-            fail(str(e))
-    args.collectives = args.collectives or ("ring" if args.link else "torch")
-    if args.shard_group is not None and (args.shard_group < 1 or world % args.shard_group):
-        fail(f"--shard-group {args.shard_group} must be at least 1 and divide world size {world}")
+            fail(str(e).replace("--link", flag, 1))  # (Link.parse names --link)
+    args.collectives = args.collectives or ("ring" if args.link or args.inter_link else "torch")
+    node, g = args.ranks_per_node, args.shard_group
+    if node is not None and (args.inter_link is None or g not in (None, node)):
+        fail(f"--ranks-per-node {node} needs --inter-link, and 08's node is its --shard-group: give one of the two")
+    if args.inter_link and node is None and g is None:
+        fail("--inter-link needs nodes: --ranks-per-node G (08: its --shard-group G is the node)")
+    n = args.ranks_per_node = args.shard_group = g if node is None else node  # 08 shards inside a node
+    if n is not None and (n < 1 or world % n):
+        fail(f"--{'shard-group' if node is None else 'ranks-per-node'} {n} must be at least 1 and divide world size {world}")
     if args.layout == "uneven" and args.collectives == "ring":
         fail("--layout uneven broadcasts and reduces, which the ring does not carry: use --collectives torch")
     return args
@@ -195,7 +205,7 @@ def init_distributed(args) -> Dist:
     if kind == "cuda":
         torch.cuda.set_device(device)  # before anything touches CUDA: else every rank makes a context on GPU 0
         if args.precision == "bf16" and not torch.cuda.is_bf16_supported():
-            fail(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16 support (use fp32)")
+            fail(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16 support (use --precision fp16, or fp32)")
     if not dist.is_initialized() and "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group(backend, timeout=timeout, device_id=device if kind == "cuda" else None)
     elif not dist.is_initialized():  # plain `python 0N_x.py`: the same code path with a world of one
@@ -203,8 +213,8 @@ def init_distributed(args) -> Dist:
     args.device = kind
     # the lesson's collectives: torch's, or the ring's (scripts/perf/ring_collectives.py); set for
     # every run, so a process that runs several lessons in one group (sweep.py) gets what each asks
-    link = ring_collectives.lesson_00().Link.parse(args.link) if args.link else None
-    ring_collectives.use(args.collectives, link, timeout)
+    link, inter = (ring_collectives.lesson_00().Link.parse(spec) if spec else None for spec in (args.link, args.inter_link))
+    ring_collectives.use(args.collectives, link, timeout, inter, args.ranks_per_node if args.inter_link else None)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if dist.get_world_size() > 1:
         start_heartbeat(dist.get_rank(), watch=backend == "nccl" or os.environ.get("DP_WATCHDOG") == "1",
@@ -214,20 +224,18 @@ def init_distributed(args) -> Dist:
 
 # ----------------------------------------------------------------------------- model and data
 def model_config(args) -> GPTConfig:
-    return GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
-                     d_model=args.d_model, n_head=args.n_head,
-                     activation_checkpointing=getattr(args, "activation_checkpointing", "none"))
+    return GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer, d_model=args.d_model,
+                     n_head=args.n_head, activation_checkpointing=getattr(args, "activation_checkpointing", "none"))
 
 
 def working_dtype(args):
-    return torch.bfloat16 if args.precision == "bf16" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
 
 
 def build_model(args, env: Dist) -> GPT:
-    """The GPT on this rank's device, in the working precision, identical on every rank. bf16
-    as FSDP2: initialised in fp32, those weights stay on each parameter (`p.fp32_init`) until an
-    optimizer makes its master weights from them (optimizers.master_weights), so a bf16 run
-    starts where the fp32 run starts and its working copy is the fp32 weights rounded."""
+    """The GPT on this rank's device, in the working precision, identical on every rank. bf16, fp16
+    as FSDP2: initialised in fp32, kept on each parameter (`p.fp32_init`) until an optimizer makes its
+    master weights from them (optimizers.master_weights): a run starts where fp32 starts, rounded."""
     config = model_config(args)
     model = GPT(config, seed=args.seed).to(env.device)
     if working_dtype(args) != torch.float32:

@@ -1,7 +1,7 @@
 """DistributedDataParallel's shape, which 02 and 03 share so that a loop written for DDP runs
 them unchanged (Replicated; 01 takes only its base, Replicas), the end-of-backward callback
 DDP's reducer finishes its all-reduces with (at_end_of_backward; 05's reduce-scatters too), and
-the fp32 sum of bf16 micro-step gradients that 01-04 accumulate into (FP32Accumulation). The
+the fp32 sum of bf16 (fp16) micro-step gradients that 01-04 accumulate into (FP32Accumulation). The
 collectives here are bookkeeping: the broadcast of rank 0's weights when a strategy is built,
 and find_unused_parameters' flags.
 """
@@ -96,7 +96,7 @@ def at_end_of_backward(owner, fn):
 
 
 class FP32Accumulation:
-    """Gradient accumulation (--grad-accum K > 1) of bf16 gradients, in fp32: every lesson's
+    """Gradient accumulation (--grad-accum K > 1) of bf16 (or fp16) gradients, in fp32: every lesson's
     convention (01-04 here; 05 and 06 add up their fp32 gradient shards). Autograd adds each
     micro-step's gradient into the bf16 p.grad, and a bf16 sum keeps 8 significant bits: every
     addition rounds away up to 2^-9 of the total, and a small micro-step's gradient can vanish

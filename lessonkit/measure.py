@@ -24,14 +24,15 @@ from lessonkit.theory import (buckets_in_flight, theory_activations, theory_link
 class Run:
     """Per-step timing, rank-0 logging, measurement of one chosen step, summary and report."""
 
-    def __init__(self, args, env, strategy, model, optimizer, holders=()):
+    def __init__(self, args, env, strategy, model, optimizer, holders=(), loss_scaler=None):
         self.args, self.env, self.strategy = args, env, strategy
+        self.loss_scaler = loss_scaler  # fp16: its scale and skipped steps go in the report
         self.model, self.optimizer = model, optimizer
         self.psi = common.n_params(model) if not hasattr(model, "n_params") else model.n_params
         self.ledger = MemoryLedger(model, [*holders, optimizer])
         # what a holder counts itself (07's copies each way): read before and after the measured step
         self.counted = [h for h in holders if hasattr(h, "counters")]
-        self.copies = None
+        self.copies = self.wire = None  # (wire: under --collectives ring, per process group)
         self.cuda = env.device.type == "cuda"
         self.comm = CommMeter(env.world_size, cpu_timed=env.backend == "gloo" and not self.cuda)
         self.cuda_step_peak = self.peak_params = self.peak_grads = self.params_timeline = self.trace = None
@@ -58,11 +59,13 @@ class Run:
         t0 = time.perf_counter()
         if measure:
             trace = self.trace.measuring() if self.trace else nullcontext()
-            before = [h.counters() for h in self.counted]
+            before, wire = [h.counters() for h in self.counted], ring_collectives.wire_bytes()
             with trace, self.comm.measuring(), self._memory_probe():
                 yield micro_losses
                 self._sync()  # inside the window: the GPU's work of this step is in it
-            after = [h.counters() for h in self.counted]
+            after, self.wire = [h.counters() for h in self.counted], ring_collectives.wire_bytes()
+            if wire is not None:  # what each process group's ring collectives wrote in this step
+                self.wire = {name: b - wire.get(name, 0) for name, b in self.wire.items()}
             self.copies = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in (before[0] if before else ())} or None
             if self.cuda:
                 self.cuda_step_peak = torch.cuda.max_memory_allocated()
@@ -124,7 +127,8 @@ class Run:
         measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params, "peak_grads": self.peak_grads,
                                "peak_activations": self.peak_activations},
                     "ops": self.comm.ops, "calls": self.comm.calls, "ring_bytes": self.comm.ring_bytes(),
-                    "groups": {name: {**g, "ring_bytes": self.comm.ring_bytes(name)} for name, g in self.comm.groups.items()},
+                    "groups": {name: {**g, "ring_bytes": self.comm.ring_bytes(name), "wire_bytes": (self.wire or {}).get(name)}
+                               for name, g in self.comm.groups.items()},
                     "wire_bytes": self.comm.wire_bytes,
                     "overlap": self.comm.overlap() or (self.trace and self.trace.gpu_overlap),
                     "timeline": self.trace and self.trace.timeline(),  # --trace: the chart's, per rank
@@ -160,6 +164,7 @@ class Run:
             "device": self.env.device.type, "precision": a.precision, "n_params": self.psi,
             "config": vars(a), "losses": self.losses, "step_time_s": self.step_times,
             "resumed_from": self.resumed_from,  # losses[i] is step resumed_from + i (None: from 0)
+            "loss_scale": self.loss_scaler and self.loss_scaler.report(),  # fp16 (loss_scale.py); else None
             "median_step_time_s": statistics.median(self.step_times),
             "tokens_per_s": self.tokens_per_step / statistics.median(self.step_times),
             "comm": {"measured_step": self.measure_step, "per_rank": [g["ops"] for g in gathered],
@@ -185,13 +190,35 @@ class Run:
                        **({"theory_tiers": theory_tiers(self.psi, n, a.precision)} if self.strategy == "offload" else {}),
                        "params_timeline": gathered[0].get("params_timeline")},
         }
-        if self.strategy == "hybrid":  # 08: rank 0's two links (process groups), each beside its formula
-            theory, groups = theory_links(self.psi, shard, n, a.precision, a.grad_accum), gathered[0]["groups"]
-            report["comm"]["per_link"] = {link: {
-                "group": name, "ranks": groups[name]["size"], "ops": groups[name]["ops"],
-                "issued_ring_bytes_per_step": groups[name]["ring_bytes"], "theory_ring_bytes_per_step": theory[link]}
-                for link, name in (("intra", "shard"), ("inter", "replicate"))}
+        if self.strategy == "hybrid" or getattr(a, "inter_link", None):  # 08, or nodes: each link beside its formula
+            report["comm"]["per_link"] = self._per_link(gathered, shard)
         return report
+
+    def _per_link(self, gathered, shard):
+        """{"intra" (inside a node), "inter" (between nodes): rank 0's group on that link, its size,
+        ops, bytes issued, theory and wire (None unless --collectives ring), and "per_rank", each
+        rank's}. 08's shard group is a node and its replicate ring runs between nodes; 01-07's one
+        ring: a rank's sends cross where its right neighbour sits on another node (--ranks-per-node)."""
+        a, n, ring = self.args, self.env.world_size, self.args.collectives == "ring"
+        if self.strategy == "hybrid":
+            theory = theory_links(self.psi, shard, n, a.precision, a.grad_accum)
+            on = lambda rank: {"intra": "shard", "inter": "replicate"}  # noqa: E731  (the groups' names)
+        else:
+            total = theory_ring_bytes(self.strategy, self.psi, n, a.precision, a.grad_accum)
+            theory = {"intra": total, "inter": total}  # on whichever link my hop takes
+            on = lambda rank: {ring_collectives.hop(rank, (rank + 1) % n, a.ranks_per_node): "world"}  # noqa: E731
+        out = {}
+        for link in ("intra", "inter"):
+            each = []
+            for rank, measured in enumerate(gathered):
+                name = on(rank).get(link)
+                g = measured["groups"].get(name, {})
+                each.append({"group": name, "ranks": g.get("size"), "ops": g.get("ops", {}),
+                             "issued_ring_bytes_per_step": g.get("ring_bytes", 0),
+                             "theory_ring_bytes_per_step": theory[link] if name else 0,
+                             "wire_bytes_per_step": (g.get("wire_bytes") or 0) if ring else None})
+            out[link] = {**each[0], "per_rank": each}
+        return out
 
     def _grad_buckets_in_flight(self):
         """What gradient buckets found on the strategy (a bucket.BucketManager whose buffers

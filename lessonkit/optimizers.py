@@ -40,10 +40,9 @@ class ShardOptimizer:
               process skips a parameter whose .grad is None (UsedParameters)
 
     It holds fp32 master weights of my shards (in fp32 the shards are their own), and a real
-    torch.optim optimizer over them, so Adam's moments exist for my shards only. That optimizer
-    steps one view of the masters per parameter (`pieces`), in the caller's groups, as FSDP2's
-    sees one tensor per parameter: weight decay on some parameters and not others, and a
-    parameter without a gradient, work as in one process.
+    torch.optim optimizer over them, so Adam's moments exist for my shards only. It steps one view
+    of the masters per parameter (`pieces`), in the caller's groups, as FSDP2's sees one tensor
+    per parameter: weight decay on some only, and a parameter without a gradient, as in one process.
     """
 
     def __init__(self, groups, shards, optimizer_class, grad_clip=0.0, find_unused_parameters=False, **defaults):
@@ -71,24 +70,25 @@ class ShardOptimizer:
             p.register_post_accumulate_grad_hook(self.used.mark)
 
     @torch.no_grad()
-    def step(self, grad_shards):
-        """grad_shards: per flat buffer, my shard of its global-batch mean gradient, any dtype.
-        Each piece gets its slice in fp32 as .grad (None for an unused parameter), clipped by the
-        norm over every rank's shards; the optimizer steps; the updated masters are cast into my
-        shards of the flat buffers, which the caller then all-gathers."""
+    def step(self, grad_shards, unscale=None):
+        """grad_shards: per flat buffer, my shard of its global-batch mean gradient, any dtype; each
+        piece gets its slice in fp32 as .grad (None if unused). fp16: unscale (LossScaler's) divides
+        them by the scale, or says False (an inf or NaN in some rank's shard): every rank skips the
+        step, changing nothing. Else: clipped over every rank's shards, stepped, cast into my shards."""
         unused = self.used.unused() if self.used else ()
+        grad_shards = [g.float() for g in grad_shards]  # (a no-op in fp32)
         for pieces, grad_shard, start in zip(self.pieces, grad_shards, self.starts):
-            grad_shard = grad_shard.float()  # (a no-op in fp32)
             for p, offset, lo, hi, piece in pieces:
                 piece.grad = None if p in unused else grad_shard[offset + lo - start:offset + hi - start]
         every_piece = [piece for pieces in self.pieces for *_, piece in pieces]
-        if self.grad_clip > 0:
-            clip_grad_norm_([x.grad for x in every_piece if x.grad is not None], self.grad_clip, self.shards[0].device)
-        self.optim.step()
+        if unscale is None or unscale(grad_shards):  # (in place: the pieces' .grad are views of them)
+            if self.grad_clip > 0:
+                clip_grad_norm_([x.grad for x in every_piece if x.grad is not None], self.grad_clip, self.shards[0].device)
+            self.optim.step()
+            for shard, master in zip(self.shards, self.masters):
+                shard.copy_(master)  # (in fp32 the same tensor)
         for piece in every_piece:
             piece.grad = None  # the gradient shards live only during the step
-        for shard, master in zip(self.shards, self.masters):
-            shard.copy_(master)  # (in fp32 the same tensor)
 
     def checkpoint_shards(self, names, flat_params):
         """For lessonkit/checkpoint.py, per flat buffer: all of it (every rank holds and loads it
@@ -98,9 +98,8 @@ class ShardOptimizer:
 
 
 def _master_shard(params, start, numel):
-    """fp32 master weights for elements start .. start + numel of `params` laid back to back in
-    one flat buffer (padding: 0), each from master_weights(p). Every parameter hands over its
-    fp32 initial weights, in my slice or not, so none stays held."""
+    """fp32 master weights for elements start .. start + numel of `params` laid back to back in one
+    flat buffer (padding: 0), each from master_weights(p): all hand theirs over, so none stays held."""
     out = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
     offset = 0
     for p in params:
@@ -129,11 +128,10 @@ def clip_grad_norm_(grads, max_norm, device, group=None):
 
 
 class UsedParameters:
-    """find_unused_parameters, DDP's flag, for 04-06: which parameters some rank's backward
-    reached since the last step. mark(p) from p's gradient hook; unused() at the step (one
-    small all-reduce, as DDP's, hence only on request) gives the others, whose pieces then get
-    no gradient: the optimizer skips them (no weight decay, no moment update), as one process
-    skips a parameter whose .grad is None. Without it they count as used, with zero gradients."""
+    """find_unused_parameters, DDP's flag, for 04-06: which parameters some rank's backward reached
+    since the last step. mark(p) from p's gradient hook; unused() at the step (one small all-reduce,
+    as DDP's, so only on request) gives the others, whose pieces then get no gradient: the optimizer
+    skips them (no decay, no moment update), as one process skips a parameter whose .grad is None."""
 
     def __init__(self, params, device):
         self.index = {p: i for i, p in enumerate(params)}
@@ -176,9 +174,8 @@ def set_learning_rate(optimizer, args, step):
 
 def decay_groups(module, weight_decay):
     """nanoGPT's two param groups: weight decay on every parameter of two or more dimensions
-    (matrices, embeddings), none on biases and norms (decaying a gain towards 0 or a bias has no
-    reason). Over the module's parameters, each once, frozen ones too (04 and 05 make them the
-    same on every rank); torch.optim takes the list as it is."""
+    (matrices, embeddings), none on biases and norms (no reason to pull a gain to 0, or a bias). Over
+    the module's parameters, each once, frozen ones too (04 and 05 make them the same on every rank)."""
     params = list({id(p): p for p in module.parameters()}.values())
     decayed = [len(getattr(p, "full_shape", p.shape)) >= 2 for p in params]  # (06's flat shards: their full shape)
     return [{"params": [p for p, d in zip(params, decayed) if d], "weight_decay": weight_decay},
@@ -186,28 +183,26 @@ def decay_groups(module, weight_decay):
 
 
 def adamw_kwargs(args):
-    # weight decay: per param group (decay_groups), 0 for a parameter outside them.
-    # foreach=True: one multi-tensor kernel per Adam operation instead of a Python loop over the
-    # tensors, which torch picks on CPU by default: bitwise the same results, a little faster on
-    # models of many small tensors (docs/profiling.md).
+    # weight decay: per param group (decay_groups), 0 outside them. foreach=True: one multi-tensor
+    # kernel per Adam operation, not torch's CPU default, a loop over the tensors: bitwise the same
+    # results, a little faster on models of many small tensors (docs/profiling.md).
     return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True)
 
 
 class MixedPrecisionAdamW:
-    """AdamW with global-norm clipping and, for bf16 parameters, fp32 master weights.
+    """AdamW with global-norm clipping and, for bf16 or fp16 parameters, fp32 master weights.
 
     Used replicated by 01-03 (every rank holds all of it). fp32: AdamW runs on the parameters
-    themselves. bf16: AdamW runs on fp32 copies; after the step they are rounded into the bf16
-    parameters. Moments are fp32 either way: 12 bytes per parameter in bf16 mode, as in ZeRO.
-    """
+    themselves. bf16, fp16: AdamW runs on fp32 copies, rounded into the parameters after the
+    step. Moments are fp32 either way: 12 bytes per parameter in bf16 and fp16, as in ZeRO."""
+    unscale_in_step = True  # fp16: LossScaler.step calls step(unscale=) (lessonkit/loss_scale.py)
 
     def __init__(self, params, grad_clip=0.0, **adamw_kwargs):
         groups, _ = param_groups(params)  # parameters, or torch.optim's param groups
         self.params = [p for g in groups for p in g["params"]]
         self.grad_clip = grad_clip
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        self.master = ([master_weights(p).view_as(p).clone() for p in self.params] if self.mixed
-                       else self.params)
+        self.master = [master_weights(p).view_as(p).clone() for p in self.params] if self.mixed else self.params
         master_of = dict(zip(self.params, self.master))
         self.optim = torch.optim.AdamW([{**g, "params": [master_of[p] for p in g["params"]]} for g in groups],
                                        **adamw_kwargs)
@@ -216,28 +211,34 @@ class MixedPrecisionAdamW:
     def param_groups(self):  # the AdamW's, for learning-rate schedules
         return self.optim.param_groups
 
+    def master_grads(self):
+        """The fp32 gradients AdamW steps with: p.grad cast once into its master's (until zero_grad)."""
+        for p, m in zip(self.params, self.master) if self.mixed else ():
+            if m.grad is None and p.grad is not None:
+                m.grad = p.grad.float()
+        return [m.grad for m in self.master if m.grad is not None]
+
     @torch.no_grad()
-    def step(self):
-        if self.mixed:
-            for p, m in zip(self.params, self.master):
-                m.grad = None if p.grad is None else p.grad.float()
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.master, self.grad_clip, foreach=True)
-        self.optim.step()
-        if self.mixed:
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
-                m.grad = None
+    def step(self, unscale=None):
+        """unscale (fp16: LossScaler.step's) divides the fp32 gradients by the loss scale, before clipping;
+        False: an inf or NaN on some rank, so every rank skips the step."""
+        grads = self.master_grads()
+        if unscale is None or unscale(grads):
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.master, self.grad_clip, foreach=True)
+            self.optim.step()
+        for p, m in zip(self.params, self.master) if self.mixed else ():
+            p.copy_(m)  # (as it was, if skipped); m.grad goes: the next step casts p.grad anew, however
+            m.grad = None  # the caller drops p.grad (zero_grad, p.grad = None, module.zero_grad())
 
     def zero_grad(self, set_to_none=True):
         """As torch.optim's: set_to_none (the default) drops every gradient, so a parameter that
         gets none in the next step is skipped by AdamW, as in one process; False zeroes them in
         place (03's bucket views stay views), and AdamW then moves a parameter left at zero."""
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        for p, m in zip(self.params, self.master):
+            p.grad = None if set_to_none or p.grad is None else p.grad.zero_()  # (zero_: the same tensor)
+            if m is not p:
+                m.grad = None  # the fp32 cast of p.grad (master_grads)
 
 
 def checkpoint_shards(optimizer, names):

@@ -10,18 +10,28 @@ def print_summary(r):
     print(f"summary {r['strategy']} | world {r['world_size']} {r['backend']} {r['precision']} | "
           f"Psi = {r['n_params']:,} params | final loss {r['losses'][-1]:.4f} | "
           f"median step {r['median_step_time_s'] * 1e3:.1f} ms")
+    if r.get("loss_scale"):  # fp16: dynamic loss scaling (loss_scale.py)
+        ls = r["loss_scale"]
+        print(f"  loss scale: {ls['init_scale']:g} at the start, {ls['final_scale']:g} at the end | steps skipped on "
+              f"every rank (an inf or NaN on some rank): {len(ls['skipped_steps'])} {ls['skipped_steps']}")
     ops = ", ".join(f"{k} x{v['calls']} ({v['bytes'] / mib:.2f} MiB)" for k, v in comm["ops"].items())
     print(f"  comm per rank per step (step {comm['measured_step']}): {ops or 'none'}")
     wire = comm["wire_bytes_per_rank"][0]
     wire = "n/a" if wire is None else f"{wire / mib:.3f} MiB"
-    link = r["config"].get("link") and " on a {:g} Gb/s, {:g} us link".format(*map(float, r["config"]["link"].split(":")))
-    print(f"  bytes sent per rank (rank 0), {r['config']['collectives']} collectives{link or ''}: "
+    cfg = r["config"]
+    link = "".join(f" {where}a {{:g}} Gb/s, {{:g}} us link".format(*map(float, cfg[key].split(":")))
+                   for key, where in (("link", "on "), ("inter_link", f"and between nodes of {cfg.get('ranks_per_node')} "))
+                   if cfg.get(key))
+    print(f"  bytes sent per rank (rank 0), {cfg['collectives']} collectives{link}: "
           f"issued {comm['issued_ring_bytes_per_step'] / mib:.3f} MiB (asked for x ring factor) | "
           f"wire {wire} (written to the sockets) | theory {comm['theory_ring_bytes_per_step'] / mib:.3f} MiB")
-    if "per_link" in comm:  # 08: inside the shard group (a node) and across the replicas
-        print("  per link (rank 0), MiB per step: " + " | ".join(
-            f"{link} ({v['group']} group of {v['ranks']}) issued {v['issued_ring_bytes_per_step'] / mib:.3f} "
-            f"theory {v['theory_ring_bytes_per_step'] / mib:.3f}" for link, v in comm["per_link"].items()))
+    if "per_link" in comm:  # 08: inside the shard group (a node) and across the replicas; 01-07 on nodes
+        links = comm["per_link"]
+        print("  per link (rank 0), MiB per step: " + " | ".join(_link(link, v, mib) for link, v in links.items()))
+        issued = {link: [e["issued_ring_bytes_per_step"] / mib for e in v["per_rank"]] for link, v in links.items()}
+        if any(len(set(each)) > 1 for each in issued.values()):  # 01-07: the ranks whose hop crosses nodes
+            print("  per link, issued MiB per step, rank by rank: " + " | ".join(
+                f"{link} " + " ".join(f"{b:.3f}" for b in each) for link, each in issued.items()))
     ov = comm.get("overlap")
     if ov is not None and ov.get("source"):
         print(f"  overlap rank 0: NCCL kernels {ov['comm_ms']:.1f} ms | exposed {ov['exposed_ms']:.1f} ms "
@@ -68,6 +78,14 @@ def print_summary(r):
         act = m.get("peak_activations") is not None and f" | activations {m['peak_activations'] / mib:.2f} (above)"
         print(f"  GPU rank 0, MiB: peak allocated in the measured step {m['cuda_step_peak'] / mib:.2f} | "
               f"model states at rest {held / mib:.2f} (theory {th['total'] / mib:.2f}){act or ''}", flush=True)
+
+
+def _link(name, v, mib):
+    """One link's bytes, rank 0's: issued, on the wire (--collectives ring), theory."""
+    group = f"{v['group']} group of {v['ranks']}" if v["group"] else "none of its hops"
+    wire = "" if v["wire_bytes_per_step"] is None else f" wire {v['wire_bytes_per_step'] / mib:.3f}"
+    return (f"{name} ({group}) issued {v['issued_ring_bytes_per_step'] / mib:.3f}{wire} "
+            f"theory {v['theory_ring_bytes_per_step'] / mib:.3f}")
 
 
 def copies_hidden(c, device):

@@ -9,10 +9,12 @@ per parameter), Figure 1 and Table 1 (model states per device), section 7 (commu
 
 # ----------------------------------------------------------------------------- per stage
 # bytes per parameter of each model state (ZeRO paper, section 3.1): fp32 training keeps fp32
-# parameters, gradients and two Adam moments; bf16 mixed precision keeps bf16 parameters and
-# gradients plus K = 12 bytes of fp32 optimizer state (master weights and two moments).
+# parameters, gradients and two Adam moments; mixed precision (bf16 or fp16, the paper's) keeps
+# 2-byte parameters and gradients plus K = 12 bytes of fp32 optimizer state (master weights and
+# two moments). MIXED: the precisions that mean that, wherever a lesson asks.
+MIXED = ("bf16", "fp16")
 STATE_BYTES = {"fp32": {"params": 4, "grads": 4, "optimizer": 8},
-               "bf16": {"params": 2, "grads": 2, "optimizer": 12}}
+               **{precision: {"params": 2, "grads": 2, "optimizer": 12} for precision in MIXED}}
 # which states each stage divides by N
 SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
            "zero1": ("optimizer",), "zero2": ("optimizer", "grads"),
@@ -23,7 +25,7 @@ SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
            "torch_fsdp2_noreshard": ("optimizer", "grads"),
            "torch_fsdp2": ("optimizer", "grads", "params"),
            "torch_fsdp2_offload": ("optimizer", "grads", "params"), "torch_local": ()}
-# the lessons that keep whole gradients and add bf16 micro-steps into a whole fp32 accumulator
+# the lessons that keep whole gradients and add bf16 (fp16) micro-steps into a whole fp32 accumulator
 # (05 and 06 add into their fp32 gradient shards instead)
 ACCUMULATE_FP32 = ("vanilla_dp", "async_allreduce", "buckets", "zero1")
 
@@ -38,7 +40,7 @@ def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
     out = {k: psi * b / world if k in SHARDED[strategy] else psi * b for k, b in STATE_BYTES[precision].items()}
     if strategy == "offload":  # 07: both tiers
         out = {k: tiers["device"][k] + tiers["host"][k] for k in out}
-    if precision == "bf16" and grad_accum > 1 and strategy in ACCUMULATE_FP32:  # ddp.FP32Accumulation
+    if precision in MIXED and grad_accum > 1 and strategy in ACCUMULATE_FP32:  # ddp.FP32Accumulation
         out["grads"] += 4 * psi  # the fp32 sum of the micro-steps, beside the bf16 gradient it rounds into
     out["peak_params"] = out["params"]  # ZeRO-3 adds the gathered units in flight
     # 01-04 and 03's buckets: the whole gradient. ZeRO-2: my slices of the buckets (kept, or
@@ -47,11 +49,11 @@ def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
     # units' gradients in flight), a measurement.
     out["peak_grads"] = None if "params" in SHARDED[strategy] else out["grads"] + in_flight + (
         4 * psi / world if grad_accum > 1 and "grads" in SHARDED[strategy] else 0)
-    if precision == "bf16" and grad_accum > 1 and strategy == "zero2":  # at rest, between micro-steps:
+    if precision in MIXED and grad_accum > 1 and strategy == "zero2":  # at rest, between micro-steps:
         out["grads"] = 4 * psi / world  # my slices in fp32 (05's docstring), counted in peak_grads above
     # of the optimizer state, the fp32 master weights: 4 of the K = 12 bytes in bf16; in fp32 the
     # optimizer updates the parameters themselves
-    master = 4 * psi if precision == "bf16" else 0
+    master = 4 * psi if precision in MIXED else 0
     out["master_weights"] = master / world if "optimizer" in SHARDED[strategy] else master
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out

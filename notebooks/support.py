@@ -54,7 +54,8 @@ ACT_RUNS = (["06_zero3"] if QUICK else list(LESSONS)) + ACT_BIG
 MIB = 2 ** 20
 KIB = 2 ** 10
 NAMES = {"01_vanilla_dp": "01 DP", "02_async_allreduce": "02 async", "03_buckets": "03 buckets",
-         "04_zero1": "04 ZeRO-1", "05_zero2": "05 ZeRO-2", "06_zero3": "06 ZeRO-3", "07_offload": "07 offload"}
+         "04_zero1": "04 ZeRO-1", "05_zero2": "05 ZeRO-2", "06_zero3": "06 ZeRO-3", "07_offload": "07 offload",
+         "08_hybrid": "08 HSDP"}
 # model-state categories, in stacking order, with one colour each in every figure
 CATEGORIES = [("params", "parameters (bf16; 06: fp32 shards)", "#4C72B0"),
               ("grads", "gradients (bf16; 06: fp32 shards)", "#DD8452"),

@@ -9,7 +9,16 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the trainers (00_collectives.py trains nothing: it runs on its own, and is tested on its own)
-LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3", "07_offload"]
+LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3", "07_offload",
+           "08_hybrid"]
+
+
+def grid_args(script, nproc, args=()):
+    """08's grid when the caller names none: two "nodes" of nproc / 2 ranks (1 x 1 alone), so a
+    tool's 08 row shows hybrid sharding, not 08's default of one group (06)."""
+    if script != "08_hybrid" or "--shard-group" in map(str, args):
+        return []
+    return ["--shard-group", str(nproc // 2 if nproc % 2 == 0 else nproc)]
 
 
 def available_lessons():
@@ -24,7 +33,8 @@ def launch(script, nproc, args=(), echo=False, report=True, threads=1, env=None)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "report.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--standalone", *(["-m", script] if "." in script else [os.path.join(ROOT, f"{script}.py")]), "--device", "cpu", *map(str, args)]
+               "--standalone", *(["-m", script] if "." in script else [os.path.join(ROOT, f"{script}.py")]),
+               "--device", "cpu", *map(str, args), *grid_args(script, nproc, args)]
         if report:
             cmd += ["--report", path]
         env = dict(os.environ, **(env or {}), OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")

@@ -133,8 +133,8 @@ def cases(draw, world=None):
     # --activation-checkpointing block: every block recomputed in backward (drawn last: the
     # cases drawn before it stay as they were)
     case["model"]["checkpoint"] = draw(st.booleans())
-    # 08's grid: G ranks per shard group, a divisor of the world size (torch's collectives only:
-    # the ring carries the default group)
+    # 08's grid: G ranks per shard group, a divisor of the world size (on torch's collectives or
+    # the ring, which carries 08's sub-groups too)
     case["shard_group"] = draw(st.sampled_from([g for g in range(1, world + 1) if world % g == 0]))
     return case
 # Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2
@@ -234,7 +234,7 @@ def train(case, name, unused):
     if sharded_fp32 and bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # as 06's main()
     # --collectives ring for the lessons (not the counterparts: FSDP2 calls dist's functions too)
-    ring_collectives.use(case.get("collectives", "torch") if name in LESSONS and name != "08" else "torch")
+    ring_collectives.use(case.get("collectives", "torch") if name in LESSONS else "torch")
     trainer = build(name, model, **kw)
     step_no = [0]
     if name in FSDP2:  # a parameter no rank reached: FSDP2 gave it zeros, DDP leaves it None

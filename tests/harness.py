@@ -190,21 +190,24 @@ class PeakAlive(TorchDispatchMode):
 # ----------------------------------------------------------------------------- the reference
 def reference(argv, steps=None):
     """Single-process training on the whole global batch (no accumulation, no distribution):
-    what every lesson must reproduce. Uses the same flags, model, data and optimizer."""
-    from lessonkit import common, optimizers
+    what every lesson must reproduce. Uses the same flags, model, data and optimizer, and in fp16
+    the same loss scaler (alone: no process group here, so its found-inf flag is this process's)."""
+    from lessonkit import common, loss_scale, optimizers
     from model import global_batch
     args = common.parse_args(argv)
     # bf16: fp32 master weights from the fp32 initial weights, as every lesson (common.build_model)
     model = common.build_model(args, common.Dist(0, 1, torch.device("cpu"), "gloo"))
     opt = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                      **optimizers.adamw_kwargs(args))
+    scaler = loss_scale.LossScaler("cpu", enabled=args.precision == "fp16")  # else the identity
     losses = []
     for step in range(steps or args.steps):
         tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
         loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
+        scaler.scale(loss).backward()
         optimizers.set_learning_rate(opt, args, step)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses,

@@ -2,8 +2,11 @@
 (`fully_shard` over a 2-D CPU DeviceMesh, which runs on gloo with torch 2.13), and its two links
 and its memory against the formulas, measured. G ranks per shard group, R = N / G replicas.
 
-4 ranks as G = 2 x R = 2 (the grid the lesson is about); 2 ranks as G = 2, R = 1 (one group: 06,
-bit for bit) and G = 1, R = 2 (one rank per group: replication, DDP's all-reduce)."""
+4 ranks as G = 2 x R = 2 (the grid the lesson is about), also on lesson 00's ring over two
+simulated nodes (--inter-link), beside 06 on the same nodes; 2 ranks as G = 2, R = 1 (one group:
+06, bit for bit) and G = 1, R = 2 (one rank per group: replication, DDP's all-reduce)."""
+import statistics
+
 import pytest
 import torch
 
@@ -18,6 +21,10 @@ LESSON = "08_hybrid"
 ARGV = ["--steps", "4", "--n-layer", "3", "--d-model", "32", "--seq-len", "16", "--global-batch", "16",
         "--log-every", "100"]
 CLIP = 0.05  # acts at every step: a norm counted over the replicas too (R times each element) changes SGD's step
+# Two simulated nodes of 2 ranks: a fast link inside each, a slow one between (its latency and
+# bandwidth both well above what 4 ranks on 2 cores cost per send). No per-op sampling: timed.
+NODES = ["--link", "10:5", "--inter-link", "0.05:1000", "--peak-params", "0"]
+GLOO_HEADER = 144  # bytes gloo writes beside each send's payload (test_ring_collectives measured it)
 
 
 def suite(world):
@@ -28,7 +35,10 @@ def suite(world):
                 # tied, frozen, unused and 119 elements (padded), ranks starting apart, 3 micro-steps
                 "toy": toy_train(build, "08", grad_accum=3, different_init=True, shard_group=2),
                 # SGD sees the gradient's scale (a mean over N, not G) and clipping's norm
-                "toy_sgd_clip": toy_train(build, "08", steps=3, grad_clip=CLIP, shard_group=2, **SGD)}
+                "toy_sgd_clip": toy_train(build, "08", steps=3, grad_clip=CLIP, shard_group=2, **SGD),
+                # last: they leave the ring installed (the runs above use torch's collectives)
+                "ring": run_lesson(LESSON, ARGV + ["--shard-group", "2", *NODES]),
+                "zero3_ring": run_lesson("06_zero3", ARGV + ["--ranks-per-node", "2", *NODES])}
     return {"G2_R1": run_lesson(LESSON, ARGV), "zero3": run_lesson("06_zero3", ARGV),
             "G1_R2": run_lesson(LESSON, ARGV + ["--shard-group", "1"])}
 
@@ -139,3 +149,53 @@ def test_memory_at_rest_is_my_shard_of_psi_over_g(world, key, g):
         assert mem["other"] == 0
     theory, psi = memory_theory(report), report["n_params"]
     assert (theory["params"], theory["grads"], theory["optimizer"]) == (4 * psi / g, 4 * psi / g, 8 * psi / g)
+
+
+# ----------------------------------------------------------------------------- on the ring, on two nodes
+def sends(ops, size):
+    """The messages a rank sends for `ops` over a ring of `size` ranks: N - 1 per pass."""
+    return sum(v["calls"] * (size - 1) * (2 if kind == "all_reduce" else 1) for kind, v in ops.items())
+
+
+def test_on_the_ring_2x2_trains_as_on_torchs_collectives():
+    # every sum inside a group has two terms (a + b is b + a): the same parameters bit for bit;
+    # the logged loss is a mean over all 4 ranks, summed in the ring's order: round-off (TOL)
+    for rank_out in results(4):
+        ring, torch_ = rank_out["ring"], rank_out["G2_R2"]
+        for name, p in torch_["params"].items():
+            assert ring["params"][name].equal(p), name
+        torch.testing.assert_close(ring["losses"], torch_["losses"], **TOL)
+
+
+def test_on_the_ring_each_link_carries_its_formula_on_the_wire():
+    report = results(4)[0]["ring"]["report"]
+    for name in ("intra", "inter"):
+        for rank, e in enumerate(link(report, name)["per_rank"]):
+            wire, theory = e["wire_bytes_per_step"], e["theory_ring_bytes_per_step"]
+            # measured per link: the payload, gloo's header on each send, and the heartbeat's few bytes
+            headers = GLOO_HEADER * sends(e["ops"], e["ranks"])
+            assert theory > 0 and abs(wire - headers - theory) <= 0.01 * theory, (name, rank, wire, headers, theory)
+
+
+def test_06_on_two_nodes_crosses_at_two_hops_and_08_at_its_replicate_ring():
+    # 06's one ring 0 -> 1 -> 2 -> 3 -> 0 leaves a node at ranks 1 and 3, and everything they send
+    # goes over the slow link; 08's shard rings stay inside the nodes, its replicate rings cross
+    ours, theirs = link(results(4)[0]["ring"]["report"], "inter"), link(results(4)[0]["zero3_ring"]["report"], "inter")
+    zero3 = results(4)[0]["zero3_ring"]["report"]["comm"]
+    assert [e["group"] for e in theirs["per_rank"]] == [None, "world", None, "world"]
+    for rank, e in enumerate(theirs["per_rank"]):
+        crosses = rank in (1, 3)
+        assert e["theory_ring_bytes_per_step"] == (zero3["theory_ring_bytes_per_step"] if crosses else 0)
+        headers = GLOO_HEADER * sends(e["ops"], 4)
+        assert abs(e["wire_bytes_per_step"] - headers - e["theory_ring_bytes_per_step"]) <= 0.01 * zero3[
+            "theory_ring_bytes_per_step"], (rank, e)
+    assert [e["group"] for e in ours["per_rank"]] == ["replicate"] * 4
+    # per rank between nodes: 08 sends 2 (Psi/G)(R-1)/R = Psi/2, 06's crossing ranks 3 Psi (N-1)/N = 9/4 Psi
+    assert theirs["per_rank"][1]["theory_ring_bytes_per_step"] == 4.5 * ours["theory_ring_bytes_per_step"]
+
+
+def test_on_a_slow_link_between_nodes_08_steps_faster_than_06():
+    # 06's slow hops carry 9/4 Psi a step, in 3 sends a collective; 08's Psi/2, in 1. Measured at
+    # these links, 4 ranks on 2 cores: 08's median step 0.45-0.6 of 06's (51-68 ms against 111-115)
+    ours, theirs = (statistics.median(results(4)[0][key]["report"]["step_time_s"]) for key in ("ring", "zero3_ring"))
+    assert ours < 0.75 * theirs, (ours, theirs)

@@ -1,8 +1,9 @@
 """The at-scale cost model (scripts/learn/cost_model.py) and its command (scripts/learn/at_scale.py):
-ring costs to the formula, the calibration reproducing synthetic measurements (and failing when
-they disagree), the published checks within their tolerances, the calibration on a simulated link
-(a lesson by hand, the shared core, the exit beyond the tolerance) and one-line errors for bad
-input. Pure arithmetic: no lesson is launched here (a few seconds)."""
+ring costs to the formula, HSDP (08) against ZeRO-3 and replication, the calibration reproducing
+synthetic measurements (and failing when they disagree), the published checks within their
+tolerances, the calibration on a simulated link (a lesson by hand, the shared core, the exit
+beyond the tolerance) and one-line errors for bad input. Pure arithmetic: no lesson is launched
+here (a few seconds)."""
 import subprocess
 import sys
 from dataclasses import replace
@@ -13,7 +14,7 @@ from harness import ROOT
 from scripts.learn import at_scale
 from scripts.learn.cost_model import (CLUSTERS, LESSONS, MODELS, OPS, STAGES, GPU, Cluster, Link, Workload,
                                       collective_time, gpt, ring_time, step)
-from lessonkit.theory import theory_ring_bytes
+from lessonkit.theory import theory_links, theory_ring_bytes
 
 # powers of two: every product and quotient below is exact in floating point
 LINK = Link({op: 2.0 ** 30 for op in OPS}, {op: 2.0 ** -20 for op in OPS})
@@ -43,13 +44,85 @@ def test_hierarchical_cost_is_intra_node_then_inter_node():
 
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_bytes_per_step_are_the_zero_papers(stage):
-    # what the stages send per rank: 2 Psi (N-1)/N (DP, ZeRO-1/2), 3 Psi (N-1)/N (ZeRO-3), section 7
+    # what the stages send per rank: 2 Psi (N-1)/N (DP, ZeRO-1/2), 3 Psi (N-1)/N (ZeRO-3), section 7;
+    # HSDP at G = 8: 08's two groups (theory_links), added
     w, n = Workload(MODELS["llama3-8b"], 1, 4096), 64
     r = step(w, STAGES[stage], n, CLUSTERS["h100"])
-    from lessonkit.theory import RING_FACTOR
-    sent = sum(RING_FACTOR[op](n) * c["bytes"] for op, c in r["comm"].items())
-    strategy = {"dp": "vanilla_dp", "zero1": "zero1", "zero2": "zero2"}.get(stage, "zero3")
-    assert sent == pytest.approx(theory_ring_bytes(strategy, w.model.params, n, "bf16"), rel=1e-12)
+    strategy = {"dp": "vanilla_dp", "zero1": "zero1", "zero2": "zero2", "hsdp": "hybrid"}.get(stage, "zero3")
+    assert sum(r["per_link"].values()) == pytest.approx(
+        theory_ring_bytes(strategy, w.model.params, n, "bf16", shard=8), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- HSDP (08)
+W8B = Workload(MODELS["llama3-8b"], 1, 2048, "selective")  # 2048 tokens per GPU: communication shows at 512
+
+
+def hsdp(g):
+    return replace(STAGES["hsdp"], shard_group=g)
+
+
+def test_hsdp_over_all_n_is_zero3():
+    zero3, whole = (step(W8B, s, 512, CLUSTERS["h100"]) for s in (STAGES["zero3"], hsdp(512)))
+    assert {k: v for k, v in whole.items() if k != "stage"} == {k: v for k, v in zero3.items() if k != "stage"}
+
+
+@pytest.mark.parametrize("g", [1, 4, 8, 16, 64])
+def test_hsdp_bytes_per_link_are_theory_links(g):
+    # per group, 08's (and its report's) intra / inter; on the wires, a shard group of one node
+    # keeps its 3 Psi (G-1)/G on NVLink and sends only the all-reduce over the NIC
+    psi, n = W8B.model.params, 64
+    r = step(W8B, hsdp(g), n, CLUSTERS["h100"])
+    links = theory_links(psi, g, n, "bf16")
+    assert r["per_link"] == pytest.approx(links, rel=1e-12)
+    if g == 8:
+        assert r["wires"] == pytest.approx({"nvlink": links["intra"], "nic": links["inter"]}, rel=1e-12)
+    assert r["memory"]["states"] == 16 * psi / g  # (4 + 4 + 8) Psi / G
+    from scripts.learn.cost_model import ADAM_BYTES
+    assert r["optimizer_s"] == ADAM_BYTES["bf16"] * psi / g / CLUSTERS["h100"].gpu.mem_bw  # AdamW on my Psi / G
+
+
+def test_hsdp_of_one_is_replication():
+    # G = 1: nothing to shard, every unit's whole gradient all-reduced over all N, two-level as DP's
+    # buckets are; DP's bytes and model states
+    c, n = CLUSTERS["h100"], 64
+    one, dp = step(W8B, hsdp(1), n, c), step(W8B, STAGES["dp"], n, c)
+    from scripts.learn.cost_model import _units
+    assert one["comm"]["all_reduce"]["bytes"] == pytest.approx(dp["comm"]["all_reduce"]["bytes"], rel=1e-12)
+    assert one["comm"]["all_reduce"]["s"] == pytest.approx(
+        sum(collective_time("all_reduce", 2 * u, n, c) for u in _units(W8B.model)), rel=1e-12)
+    assert one["comm"]["reduce_scatter"]["s"] == one["comm"]["all_gather"]["s"] == 0
+    assert one["memory"]["states"] == dp["memory"]["states"]
+
+
+def test_hsdp_all_reduce_runs_on_its_own_stream_after_its_reduce_scatter():
+    from scripts.learn.cost_model import simulate
+    # a 4 ms reduce-scatter, then the all-reduce of its shard (3 ms, stream 1, after it) and a
+    # 2 ms gather (stream 0): the gather runs beside the all-reduce, which starts at 4 ms
+    program = [("issue", 0, 0.0, 0.0, 0.004, 0, None), ("issue", 1, 0.0, 0.0, 0.003, 1, 0),
+               ("issue", 2, 0.0, 0.0, 0.002, 0, None), ("wait", 1), ("wait", 2)]
+    assert simulate(program) == pytest.approx((0.007, 0.007))
+    assert simulate([p[:6] + (None,) if p[0] == "issue" else p for p in program]) == pytest.approx((0.006, 0.006))
+
+
+def test_hsdp_in_a_node_beats_zero3_across_a_slow_nic():
+    # 512 H100s, 2048 tokens per GPU: ZeRO-3's every gather crosses the NICs, HSDP's (G = a node)
+    # stays on NVLink and only a G times smaller all-reduce crosses them, beside
+    c = CLUSTERS["h100"]
+    z3, node = step(W8B, STAGES["zero3"], 512, c), step(W8B, hsdp(8), 512, c)
+    assert node["wires"]["nic"] < z3["wires"]["nic"] and node["exposed_s"] < z3["exposed_s"] / 2
+    assert node["step_s"] < z3["step_s"] / 1.2
+    verdict = at_scale.hsdp_versus_zero3(W8B, c, 512)
+    assert verdict["choose"] == 8 and verdict["verdict"].startswith("HSDP at G=8 beats ZeRO-3 by 1.")
+    chosen = dict(verdict["rows"])[8]
+    assert chosen["memory"]["total"] <= c.gpu.memory
+
+
+def test_zero3_wins_where_hsdp_does_not_fit_or_gains_nothing():
+    # 70B, 4096 tokens per GPU, 64 GPUs: compute-bound (communication hides); G = 8 and 16 do not fit
+    w, c = Workload(MODELS["llama3-70b"], 1, 4096, "full"), CLUSTERS["h100"]
+    verdict = at_scale.hsdp_versus_zero3(w, c, 64)
+    assert [g for g, r in verdict["rows"] if r["memory"]["total"] > c.gpu.memory] == [8, 16]
+    assert verdict["choose"] == 64 and verdict["verdict"].startswith("ZeRO-3 wins here because")
 
 
 def test_prefetch_hides_what_no_prefetch_exposes():
@@ -157,6 +230,14 @@ def test_command_prints_every_stage(capsys):
     assert {r[1]: r[-1] for r in rows}["zero3"] == "yes" and {r[1]: r[-1] for r in rows}["dp"] == "NO"
 
 
+def test_hsdp_command_prints_each_g_and_the_choice(capsys):
+    assert at_scale.main(["--world", "512", "--batch", "1", "--seq", "2048", "--hsdp"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in out if line.split()[:1] in (["zero3"], ["hsdp"])] == \
+        ["512", "8", "16", "32", "64", "128", "256", "512"]
+    assert out[-1].startswith("HSDP at G=8 beats ZeRO-3 by") and out[-1].endswith("choose G=8")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--world", "-8"], "must be positive"),
     (["--model", "gpt-5"], "unknown preset 'gpt-5'"),
@@ -168,6 +249,7 @@ def test_command_prints_every_stage(capsys):
     (["--calibrate", "--link", "fast"], "argument --link: 'fast': expected GBPS:LATENCY_US"),
     (["--calibrate", "--link", "0:50"], "the bandwidth must be positive"),
     (["--link", "1:50"], "--link goes with --calibrate"),
+    (["--world", "64", "--shard-group", "3", "--hsdp"], "--shard-group 3 does not tile 64 GPUs"),
 ])
 def test_bad_input_is_one_line(argv, message):
     with pytest.raises(SystemExit) as e:

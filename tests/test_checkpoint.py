@@ -3,7 +3,8 @@ lesson, resume at another world size, consolidation into a plain GPT state_dict,
 
 Five launches: world 2 does every lesson's uninterrupted run (saving at steps 2, 4, 6), its
 resumed run, bf16, the refusals and the toy model; worlds 4, 2 again, 1 and 3 resume from those
-checkpoints. The uninterrupted run is the reference: a resumed run must give its losses.
+checkpoints. The uninterrupted run is the reference: a resumed run must give its losses. 08
+(R x G grids) rides along: world 4 runs it at 2 x 2, worlds 2 and 1 resume it at other grids.
 """
 import functools
 import importlib.util
@@ -36,6 +37,12 @@ PSI = 33_215
 SAVE = ["--save-every", "2"]
 BF16 = ["--precision", "bf16"]
 TOY_LESSONS = ["01", "04", "05", "06"]
+HYBRID = "08_hybrid"
+
+
+def grid(g):
+    """08's flag for shard groups of g ranks (R = world size / g replicas)."""
+    return ["--shard-group", str(g)]
 
 
 def step_dir(root, step):
@@ -214,8 +221,9 @@ def suite_world2(root):
     return out
 
 
-def suite_resume(root, src, step, tag, lessons, save=False, toy=False):
-    """`lessons` resumed from checkpoint `src` at `step`, at this launch's world size."""
+def suite_resume(root, src, step, tag, lessons, save=False, toy=False, hybrid=None):
+    """`lessons` resumed from checkpoint `src` at `step`, at this launch's world size; then
+    hybrid(root), 08's runs at this world size, under "08"."""
     checkpoint.KEEP = 100
     out = {}
     for lesson in lessons:
@@ -223,6 +231,31 @@ def suite_resume(root, src, step, tag, lessons, save=False, toy=False):
         out[lesson] = resume(lesson, f"{root}/{lesson}/{tag}", SAVE if save else ())
     if toy:
         out["toy"] = {lesson: toy_resumed(lesson, step_dir(f"{root}/toy/{lesson}", 2)) for lesson in TOY_LESSONS}
+    if hybrid:
+        out["08"] = hybrid(root)
+    return out
+
+
+def hybrid_2x2(root):
+    """World 4, R = 2 x G = 2: 08 uninterrupted (saving at steps 2, 4, 6), resumed at 2 x 2 from
+    its own step 2, and resumed at 2 x 2 from 06's world-2 checkpoint at step 2."""
+    full = run_lesson(HYBRID, ARGV + grid(2) + SAVE + ["--checkpoint-dir", f"{root}/{HYBRID}/full"])
+    return {"full": full,
+            "2x2": resume(HYBRID, copy_checkpoint(f"{root}/{HYBRID}/full", 2, f"{root}/{HYBRID}/2x2"), grid(2)),
+            "from 06": resume(HYBRID, copy_checkpoint(f"{root}/06_zero3/full", 2, f"{root}/{HYBRID}/from06"), grid(2))}
+
+
+def hybrid_from_2x2(root, world):
+    """08's 2 x 2 checkpoint at step 4, resumed at this world size: as 08 at every G that
+    divides it, and (world 2) as 06; and 06's bf16 checkpoint at step 4 as 08 at 1 x 2."""
+    src, out = f"{root}/{HYBRID}/full", {}
+    for g in range(1, world + 1):  # (1 and 2 divide 2)
+        out[f"{world // g}x{g}"] = resume(HYBRID, copy_checkpoint(src, 4, f"{root}/{HYBRID}/{world // g}x{g}"), grid(g))
+    if world == 2:
+        out["to 06"] = resume("06_zero3", copy_checkpoint(src, 4, f"{root}/06_zero3/from08"))
+        bf16 = copy_checkpoint(f"{root}/06_zero3/bf16", 4, f"{root}/{HYBRID}/bf16")
+        out["bf16 from 06"] = resume(HYBRID, bf16, BF16 + grid(2))
+        out["07 refused"] = refused("07_offload", ARGV + ["--checkpoint-dir", f"{root}/{HYBRID}/1x2", "--resume"])
     return out
 
 
@@ -245,19 +278,21 @@ REPLICATED_AND_SHARDED = ["01_vanilla_dp", *SHARDED]
 @functools.lru_cache(maxsize=None)
 def world4(root):  # from world 2's checkpoint at step 2; saves its own at steps 4 and 6
     world2(root)
-    return spawn(4, suite_resume, root, "full", 2, "w4", REPLICATED_AND_SHARDED, True, True)
+    return spawn(4, suite_resume, root, "full", 2, "w4", REPLICATED_AND_SHARDED, True, True, hybrid_2x2)
 
 
 @functools.lru_cache(maxsize=None)
 def world2_from_4(root):
     world4(root)
-    return spawn(2, suite_resume, root, "w4", 4, "w4to2", REPLICATED_AND_SHARDED)
+    return spawn(2, suite_resume, root, "w4", 4, "w4to2", REPLICATED_AND_SHARDED, False, False,
+                 functools.partial(hybrid_from_2x2, world=2))
 
 
 @functools.lru_cache(maxsize=None)
 def world1(root):
-    world2(root)
-    return spawn(1, suite_resume, root, "full", 4, "w1", REPLICATED_AND_SHARDED)
+    world4(root)  # (after world 2's): 08's 2 x 2 checkpoint
+    return spawn(1, suite_resume, root, "full", 4, "w1", REPLICATED_AND_SHARDED, False, False,
+                 functools.partial(hybrid_from_2x2, world=1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,6 +363,44 @@ def test_resume_at_another_world_size(root, world, start, launch):
             if out[lesson]["report"] is not None:
                 assert out[lesson]["report"]["world_size"] == world
                 assert out[lesson]["report"]["resumed_from"] == start
+
+
+# 08: shard group 0 writes, its replicas write nothing; every rank loads its own shard, at any grid
+def test_hybrid_writes_a_06_checkpoint_at_world_g_and_resumes_exactly(root):
+    full = world4(root)[0]["08"]["full"]
+    # 2 x 2: ranks 0, 1 (shard group 0) write what 06 at world 2 writes; ranks 2, 3, their
+    # replicas, write no range (each element once: two copies would be refused as overlapping)
+    hybrid, zero3 = (checkpoint.read(step_dir(f"{root}/{lesson}/full", 2))[0] for lesson in (HYBRID, "06_zero3"))
+    assert hybrid["layout"][:2] == zero3["layout"] and hybrid["layout"][2:] == [[], []]
+    sd = consolidate(step_dir(f"{root}/{HYBRID}/full", 6))  # the whole model, from shard group 0's files
+    assert all(torch.equal(sd[n], p) for n, p in full["params"].items())
+    for out in world4(root):
+        # the same grid: every rank, replicas too, gets back its shard and moments bit for bit
+        identical(out["08"]["2x2"], tail(out["08"]["full"], 2))
+    # and the uninterrupted run, saving as it goes, trains as one process does (TOL: see above)
+    close(full, reference(ARGV))
+
+
+# Another grid, or 06 (whose files 08's are): another summation order, so TOL (as above)
+@pytest.mark.parametrize("launch, run", [(world2_from_4, "1x2"), (world2_from_4, "2x1"), (world1, "1x1"),
+                                         (world2_from_4, "to 06")], ids=["2x2to1x2", "2x2to2x1", "2x2to1x1", "2x2to06"])
+def test_hybrid_resumes_at_another_grid(root, launch, run):
+    full = world4(root)[0]["08"]["full"]
+    for out in launch(root):
+        close(out["08"][run], tail(full, 4))
+        if out["08"][run]["report"] is not None:
+            assert out["08"][run]["report"]["resumed_from"] == 4
+
+
+def test_hybrid_resumes_06s_checkpoints_in_fp32_and_bf16(root):
+    zero3 = world2(root)[0]["full"]
+    for out in world4(root):  # 06 at world 2 -> 08 at 2 x 2
+        close(out["08"]["from 06"], tail(zero3["06_zero3"], 2))
+    for out in world2_from_4(root):
+        # 06 bf16 at world 2 -> 08 at 1 x 2, which is 06: bit for bit (the shards are fp32 masters)
+        identical(out["08"]["bf16 from 06"], tail(zero3["06_zero3", "bf16"], 4))
+        # 06 and 08 alone resume each other's: 07's shards are laid out alike, and still refused
+        assert "strategy hybrid (checkpoint) != offload (this run)" in out["08"]["07 refused"]
 
 
 def test_consolidated_state_dict_is_the_run_and_loads_into_gpt(root):

@@ -1,7 +1,10 @@
 """Bad input gets one clear line from rank 0 and a non-zero exit, never a traceback or a hang."""
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from graded import lesson_file
 from harness import ROOT
@@ -19,7 +22,8 @@ def run_all(commands, timeout=120):
 
 
 BAD = [
-    (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
+    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+    (["--precision", "fp16", "--checkpoint-dir", "ckpt"], "--precision fp16: lessons 01-05 so far, without checkpoints"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--global-batch", "7", "--grad-accum", "2"], "--global-batch 7 must be divisible by world size 1 x --grad-accum 2"),
     (["--device", "cuda"], "no CUDA GPU is available"),
@@ -33,25 +37,55 @@ BAD = [
     (["--collectives", "ring", "--device", "cuda"], "--collectives ring sends over gloo on the CPU"),
     (["--shard-group", "3"], "--shard-group 3 must be at least 1 and divide world size 1"),
     (["--shard-group", "0"], "--shard-group 0 must be at least 1 and divide world size 1"),
+    (["--inter-link", "1:50"], "--inter-link needs nodes: --ranks-per-node G (08: its --shard-group G is the node)"),
+    (["--ranks-per-node", "1"], "--ranks-per-node 1 needs --inter-link"),
 ]
 
 
 def test_bad_flags_one_line_nonzero_exit():
     commands = [[sys.executable, lesson_file("01_vanilla_dp"), *flags] for flags, _ in BAD]
-    # every lesson shares the flags: check each one rejects an unknown precision the same way
-    commands += [[sys.executable, lesson_file(name), "--precision", "fp16"] for name in LESSONS[1:]]
-    expected = [msg for _, msg in BAD] + ["invalid choice: 'fp16'"] * (len(LESSONS) - 1)
+    # every lesson shares the flags: 02-05 reject an unknown precision as 01 does; 06-08 refuse
+    # fp16, which 01-05 run (tests/test_fp16.py), in one line
+    commands += [[sys.executable, lesson_file(name), "--precision", "fp8" if name < "06" else "fp16"] for name in LESSONS[1:]]
+    expected = [msg for _, msg in BAD] + ["invalid choice: 'fp8'"] * 4 + ["06-08 run fp32 or bf16"] * (len(LESSONS) - 5)
     # 00 runs its own ring beside torch's; the PyTorch references call the process group themselves
     commands += [[sys.executable, lesson_file("00_collectives"), "--collectives", "ring"],
                  [sys.executable, "-m", "scripts.perf.torch_reference", "--collectives", "ring"]]
     expected += ["00 compares its own ring with torch's collectives", "the PyTorch references run on torch's collectives only"]
-    # 08's shard and replicate groups are sub-groups, which the ring (over the default group) does not carry
-    commands += [[sys.executable, lesson_file("08_hybrid"), "--link", "1:50"]]
-    expected += ["08 runs its collectives over sub-groups, which --collectives ring (and --link) does not carry"]
+    # 08's node is its shard group: a --ranks-per-node of another size is refused
+    commands += [[sys.executable, lesson_file("08_hybrid"), "--inter-link", "1:50", "--ranks-per-node", "1",
+                  "--shard-group", "2"]]
+    expected += ["and 08's node is its --shard-group: give one of the two"]
     for (code, err), msg in zip(run_all(commands), expected):
         assert code == 2, err
         lines = [l for l in err.splitlines() if l.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], err
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--inter-link", "fast:50", "--ranks-per-node", "1"], "--inter-link 'fast:50': expected GBPS:LATENCY_US"),
+    (["--inter-link", "1:50", "--ranks-per-node", "1", "--collectives", "torch"], "--inter-link simulates a link for the ring"),
+    (["--inter-link", "1:50", "--ranks-per-node", "0"], "--ranks-per-node 0 must be at least 1 and divide world size 1"),
+    (["--inter-link", "1:50", "--ranks-per-node", "2"], "--ranks-per-node 2 must be at least 1 and divide world size 1"),
+])
+def test_bad_node_flags_fail_with_their_line(flags, msg, monkeypatch):
+    # the rest of --inter-link's checks, in this process (fail() would end it: it raises here instead)
+    from lessonkit import common
+
+    def fail(message):
+        raise SystemExit(message)
+    monkeypatch.setattr(common, "fail", fail)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit, match=re.escape(msg)):
+        common.parse_args(flags)
+
+
+def test_the_node_is_the_shard_group_and_a_slower_link_between_nodes_means_the_ring():
+    from lessonkit import common
+    for flags in (["--inter-link", "1:50", "--ranks-per-node", "1"], ["--inter-link", "1:50", "--shard-group", "1"]):
+        args = common.parse_args(flags)
+        assert (args.collectives, args.ranks_per_node, args.shard_group) == ("ring", 1, 1), flags
+    assert common.parse_args(["--shard-group", "1"]).collectives == "torch"
 
 
 def test_batch_not_divisible_by_world_size_under_torchrun():

@@ -16,7 +16,7 @@ from scripts.perf.figures import execute
 FIGURES = {"memory.ipynb": ["memory_per_rank", "memory_offload_tiers", "memory_activations", "zero3_params_timeline",
                            "zero_calculator"],
            "comm_volume.ipynb": ["comm_per_step", "ring_reduce_scatter", "bandwidth"],
-           "at_scale.ipynb": ["at_scale_memory", "at_scale", "at_scale_crossover", "at_scale_largest"]}
+           "at_scale.ipynb": ["at_scale_memory", "at_scale", "at_scale_crossover", "at_scale_largest", "at_scale_hsdp"]}
 
 
 def test_notebooks_run_headless_and_draw_their_figures(tmp_path):

@@ -121,3 +121,52 @@ def test_async_ring_handle_output_valid_only_after_wait_and_link_delays_match_th
         for measured, expected in ((out["elapsed_s"], out["expected_ar_s"]),
                                    (out["rs_s"], out["expected_pass_s"]), (out["ag_s"], out["expected_pass_s"])):
             assert expected <= measured <= 1.1 * expected + 0.005, (measured, expected)
+
+
+# ----------------------------------------------------------------------------- sub-groups, two nodes
+def on_two_nodes():
+    """In a spawned rank of 4, as two simulated nodes of 2 (a fast link inside, a slow one between):
+    an all-reduce over 08's shard group (inside a node), its replicate group (between nodes) and
+    every rank (06's ring: ranks 1 and 3 send to the other node), each timed, and each group's wire."""
+    from scripts.perf import ring_collectives
+    Link = ring_collectives.lesson_00().Link
+    fast, slow = Link(gbps=10, latency_us=5), Link(gbps=0.05, latency_us=500)
+    ring_collectives.use("ring", fast, timeout=None, inter_link=slow, ranks_per_node=2)
+    try:
+        r, groups = dist.get_rank(), {"world": None}
+        for name, grid in (("shard", [[0, 1], [2, 3]]), ("replicate", [[0, 2], [1, 3]])):
+            for ranks in grid:  # every rank makes every group, in the same order
+                group = dist.new_group(ranks, group_desc=name)
+                if r in ranks:
+                    groups[name] = group
+        out, before = {}, ring_collectives.wire_bytes()
+        for name, group in groups.items():
+            x = torch.full((2 ** 16,), float(r + 1))  # 256 KiB of fp32
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x, group=group)
+            out[name] = {"s": time.perf_counter() - t0, "sum": x.unique().tolist()}
+        after = ring_collectives.wire_bytes()
+        return {"runs": out, "wire": {name: after[name] - before.get(name, 0) for name in after},
+                "fast_s": fast.seconds(2 ** 17), "slow_s": slow.seconds(2 ** 17), "slow_quarter_s": slow.seconds(2 ** 16)}
+    finally:
+        ring_collectives.use("torch")
+
+
+def test_the_ring_carries_sub_groups_each_hop_on_its_nodes_link():
+    for r, out in enumerate(spawn(4, on_two_nodes)):
+        runs = out["runs"]
+        # the sums of the ranks' values (r + 1) over each group: [0, 1] 3, [2, 3] 7; [0, 2] 4, [1, 3] 6
+        assert runs["shard"]["sum"] == [[3.0, 7.0][r // 2]] and runs["replicate"]["sum"] == [[4.0, 6.0][r % 2]]
+        assert runs["world"]["sum"] == [10.0]
+        # 2 ranks: 2 sends of half the tensor, inside the node on the fast link, between nodes on the slow
+        assert runs["shard"]["s"] < out["slow_s"], runs  # (the fast link: well under one slow send)
+        assert 2 * out["slow_s"] <= runs["replicate"]["s"] <= 1.1 * 2 * out["slow_s"] + 0.01, runs
+        # every rank: 6 sends of a quarter; ranks 1 and 3 send across, and the others wait for them:
+        # a ring goes at its slowest hop's pace, as NCCL's ring crossing two nodes does. (The link
+        # holds the sender after its bytes leave, so a rank waiting on a slow sender sees 5 of its 6.)
+        assert runs["world"]["s"] >= (6 if r in (1, 3) else 5) * out["slow_quarter_s"], runs
+        # measured per group (per link): the payload and gloo's 144 bytes a send
+        sent = {"shard": 2 ** 18 // 2 * 2, "replicate": 2 ** 18 // 2 * 2, "world": 2 ** 18 // 4 * 6}
+        for name, b in sent.items():
+            assert b <= out["wire"][name] <= 1.01 * b, (name, out["wire"])

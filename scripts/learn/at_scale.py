@@ -2,6 +2,7 @@
 
     python -m scripts.learn.at_scale --model llama3-8b --cluster h100 --world 8 128 --batch 2 --seq 8192 --ckpt selective
     python -m scripts.learn.at_scale --model llama3-70b --world 64 --batch 1 --seq 8192 --ckpt full   # does it fit?
+    python -m scripts.learn.at_scale --world 64 512 --batch 1 --seq 2048 --hsdp    # HSDP or ZeRO-3? which G?
     python -m scripts.learn.at_scale --params 7.5B --layers 64 --hidden 3072 --heads 24 --vocab 50257 --world 64
     python -m scripts.learn.at_scale --check-published    # ZeRO Table 1, torchtitan, nccl-tests: model vs paper
     python -m scripts.learn.at_scale --calibrate          # this machine: predict the lessons' own step times
@@ -31,18 +32,30 @@ GB, GIB = 1e9, 2 ** 30
 
 
 # ----------------------------------------------------------------------------- the table
-def table(w, cluster, worlds, stages):
+def title(w, cluster):
     g = cluster.gpu
-    lines = [f"{w.model.name} (Psi = {count(w.model.params)}) on {g.name}, {cluster.gpus_per_node} per node: "
-             f"local batch {w.batch} x {w.seq} tokens, {w.ckpt} checkpointing, {w.precision}, "
-             f"efficiency {cluster.efficiency:.0%} of {g.flops / 1e12:.0f} TFLOP/s",
+    return (f"{w.model.name} (Psi = {count(w.model.params)}) on {g.name}, {cluster.gpus_per_node} per node: "
+            f"local batch {w.batch} x {w.seq} tokens, {w.ckpt} checkpointing, {w.precision}, "
+            f"efficiency {cluster.efficiency:.0%} of {g.flops / 1e12:.0f} TFLOP/s")
+
+
+def stage_rows(stages, world, cluster, shard_groups=()):
+    """(label, Stage) for each stage named; HSDP once per shard group size G (default: a node)."""
+    for name in stages:
+        for shard in (shard_groups or [cluster.gpus_per_node]) if STAGES[name].shard_group else [0]:
+            yield (f"{name} G={min(shard, world)}" if shard else name), replace(STAGES[name], shard_group=shard)
+
+
+def table(w, cluster, worlds, stages, shard_groups=()):
+    g = cluster.gpu
+    lines = [title(w, cluster),
              f"{'GPUs':>6} {'stage':<17}{'compute':>9}{'optim':>7}{'AR':>7}{'RS':>7}{'AG':>7}{'hidden':>8}"
              f"{'exposed':>8}{'step':>8}{'tok/s/GPU':>10}{'MFU':>6}  memory GB (states+act+buf)  fits {g.memory / GB:.0f} GB",
              f"{'':>6} {'':<17}{'ms':>9}{'ms':>7}{'ms':>7}{'ms':>7}{'ms':>7}{'ms':>8}{'ms':>8}{'ms':>8}"]
     notes = []
     for n in worlds:
-        for name in stages:
-            r = step(w, STAGES[name], n, cluster)
+        for name, stage in stage_rows(stages, n, cluster, shard_groups):
+            r = step(w, stage, n, cluster)
             c, mem = r["comm"], r["memory"]
             lines.append(
                 f"{n:>6} {name:<17}{r['compute_s'] * 1e3:>9.0f}{r['optimizer_s'] * 1e3:>7.0f}"
@@ -50,13 +63,84 @@ def table(w, cluster, worlds, stages):
                 + f"{r['hidden_s'] * 1e3:>8.0f}{r['exposed_s'] * 1e3:>8.0f}{r['step_s'] * 1e3:>8.0f}"
                 f"{r['tokens_per_s']:>10,.0f}{r['mfu']:>6.0%}  {mem['total'] / GB:>7.1f} = {mem['states'] / GB:.1f}"
                 f"+{mem['activations'] / GB:.1f}+{mem['buffers'] / GB:.1f}  {'yes' if mem['total'] <= g.memory else 'NO'}")
-            if STAGES[name].offload:  # 07: what the host holds and what crosses PCIe
+            if stage.offload:  # 07: what the host holds and what crosses PCIe
                 cp = r["copies"]
                 notes.append(f"{name} at {n} GPUs: the host holds {mem['host'] / GB:.1f} GB per GPU; over PCIe "
                              f"{cp['up_s'] * 1e3:.0f} ms up and {cp['down_s'] * 1e3:.0f} ms down per step, "
                              f"{cp['exposed_s'] * 1e3:.0f} ms of it exposed; the optimizer on the CPU "
                              f"{r['optimizer_s'] * 1e3:.0f} ms, not hidden")
     return "\n".join(lines + notes)
+
+
+# ----------------------------------------------------------------------------- HSDP or ZeRO-3?
+# "Beats" takes more than 1%: the model is not sharper than that (docs/at_scale.md: the lessons
+# on a simulated link within 6%, torchtitan's throughput within 9-11%).
+MARGIN = 0.01
+
+
+def shard_choices(world, cluster):
+    """08's shard group sizes worth asking about at N GPUs: a node, 2, 4, ... nodes, and N."""
+    sizes = [min(cluster.gpus_per_node, world) * 2 ** k for k in range(world.bit_length())]
+    return [g for g in sizes if g < world and world % g == 0] + [world]
+
+
+def hsdp_versus_zero3(w, cluster, world, shard_groups=()):
+    """ZeRO-3 over all N against HSDP at each shard group size G: {"rows": [(G, step), ...],
+    "zero3": step, "choose": G, "verdict": one line}. The G to choose: the fastest HSDP that fits
+    in the GPU's memory (the smaller G, on a tie), if it beats ZeRO-3 by more than MARGIN; else N."""
+    fits = lambda r: r["memory"]["total"] <= cluster.gpu.memory  # noqa: E731
+    z3 = step(w, STAGES["zero3"], world, cluster)
+    rows = [(g, step(w, replace(STAGES["hsdp"], shard_group=g), world, cluster))
+            for g in sorted(set(shard_groups or shard_choices(world, cluster)))]
+    small = [(g, r) for g, r in rows if g < world]
+    best = max(((g, r) for g, r in small if fits(r)), key=lambda x: (x[1]["tokens_per_s"], -x[0]), default=None)
+    gb = cluster.gpu.memory / GB
+    if not fits(z3):
+        choose, verdict = None, (f"Nothing fits: ZeRO-3 needs {z3['memory']['total'] / GB:.1f} GB per GPU of {gb:.0f}, "
+                                 f"and HSDP at G < N more")
+    elif not small:
+        choose, verdict = world, f"ZeRO-3 wins here because N = {world} leaves HSDP no shard group smaller than N"
+    elif best is None:
+        g, r = max(small, key=lambda x: x[0])
+        choose, verdict = world, (f"ZeRO-3 wins here because no HSDP fits: at G={g} it needs "
+                                  f"{r['memory']['total'] / GB:.1f} GB per GPU of {gb:.0f} (ZeRO-3: "
+                                  f"{z3['memory']['total'] / GB:.1f})")
+    elif best[1]["tokens_per_s"] > (1 + MARGIN) * z3["tokens_per_s"]:
+        g, r = best
+        choose, verdict = g, (f"HSDP at G={g} beats ZeRO-3 by {r['tokens_per_s'] / z3['tokens_per_s']:.2f}x "
+                              f"({r['exposed_s'] * 1e3:.0f} ms of communication exposed, ZeRO-3 "
+                              f"{z3['exposed_s'] * 1e3:.0f}; {r['memory']['total'] / GB:.1f} GB per GPU, "
+                              f"ZeRO-3 {z3['memory']['total'] / GB:.1f})")
+    else:
+        g, r = best
+        choose, verdict = world, (f"ZeRO-3 wins here because HSDP gains nothing: its best that fits, G={g}, runs at "
+                                  f"{r['tokens_per_s'] / z3['tokens_per_s']:.3f}x ZeRO-3 (which exposes "
+                                  f"{z3['exposed_s'] * 1e3:.0f} ms of communication in a {z3['step_s'] * 1e3:.0f} ms "
+                                  f"step) and holds {(r['memory']['total'] - z3['memory']['total']) / GB:.1f} GB more "
+                                  "per GPU")
+    return {"rows": rows, "zero3": z3, "choose": choose, "verdict": verdict}
+
+
+def hsdp_table(w, cluster, world, shard_groups=()):
+    c = hsdp_versus_zero3(w, cluster, world, shard_groups)
+    gpu = cluster.gpu
+    lines = [f"{'':>6}{'G':>6}{'R':>6}{'NVLink':>8}{'NIC':>8}{'AR':>7}{'RS':>7}{'AG':>7}{'exposed':>8}{'step':>8}"
+             f"{'tok/s/GPU':>10}{'MFU':>6}  memory GB (states+act+buf)  fits {gpu.memory / GB:.0f} GB",
+             f"{'':>6}{'':>6}{'':>6}{'GB':>8}{'GB':>8}{'ms':>7}{'ms':>7}{'ms':>7}{'ms':>8}{'ms':>8}"]
+    for name, g, r in [("zero3", world, c["zero3"]), *(("hsdp", g, r) for g, r in c["rows"])]:
+        mem = r["memory"]
+        lines.append(f"{name:>6}{g:>6}{world // g:>6}"
+                     + "".join(f"{r['wires'][k] / GB:>8.1f}" for k in ("nvlink", "nic"))
+                     + "".join(f"{r['comm'][op]['s'] * 1e3:>7.0f}" for op in OPS)
+                     + f"{r['exposed_s'] * 1e3:>8.0f}{r['step_s'] * 1e3:>8.0f}{r['tokens_per_s']:>10,.0f}"
+                     f"{r['mfu']:>6.0%}  {mem['total'] / GB:>7.1f} = {mem['states'] / GB:.1f}"
+                     f"+{mem['activations'] / GB:.1f}+{mem['buffers'] / GB:.1f}"
+                     f"  {'yes' if mem['total'] <= gpu.memory else 'NO'}")
+    choose = f"choose G={c['choose']}" + (" (ZeRO-3)" if c["choose"] == world else "") if c["choose"] else "choose none"
+    return "\n".join([f"{world} GPUs: ZeRO-3 over all {world} against HSDP (08) over shard groups of G, "
+                      f"R = {world} / G replicas; NVLink, NIC: GB each GPU sends per step inside its node, across "
+                      "nodes", *lines,
+                      f"{c['verdict']}; {choose}"])
 
 
 # ----------------------------------------------------------------------------- published numbers
@@ -251,9 +335,9 @@ def predict(cal, cores):
 def calibration_table(cal):
     m = cal["machine"]
     lines = [f"{m['cores']}-core CPU, torch {m['torch']}, gloo, 1 thread per rank; lessons at {' '.join(CAL_FLAGS[:10])}",
-             f"{'lesson':<24}{'ranks':>6}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"]
+             f"{'lesson':<26}{'ranks':>6}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"]
     for r in cal["rows"]:
-        lines.append(f"{r['lesson']:<24}{r['ranks']:>6}{r['measured_ms']:>13.1f}{r['predicted_ms']:>14.1f}{r['error']:>+8.0%}")
+        lines.append(f"{r['lesson']:<26}{r['ranks']:>6}{r['measured_ms']:>13.1f}{r['predicted_ms']:>14.1f}{r['error']:>+8.0%}")
     for key, w in cal["worlds"].items():
         link = fit_link(w["bandwidth"], int(key))
         lines.append(f"{key} ranks: {w['flops_per_s'] / 1e9:.1f} GFLOP/s per thread, optimizer "
@@ -314,7 +398,8 @@ def calibrate_link(links):
     lesson on each link, predict, print the table; 1 if any error is beyond TOLERANCE."""
     from scripts.runs import launch
     os.makedirs(OUT, exist_ok=True)
-    t0, n, names = time.time(), LINK_RANKS, list(LESSONS)
+    # 08 not here: at 2 ranks and G = 2 it is 06; its two links are the lecture's (--hybrid)
+    t0, n, names = time.time(), LINK_RANKS, [name for name, stage in LESSONS.items() if not stage.shard_group]
     print(f"measuring: compute (1 thread), the ring's own cost, then {', '.join(names)} at {n} ranks, "
           f"each {len(SEEDS)} times: on the ring with no link, then on {', '.join(links)} ...", flush=True)
     m, flops, mem_bw = measure_compute(8 // n)
@@ -558,6 +643,11 @@ def main(argv=None):
     p.add_argument("--cluster", default="h100", help=f"preset: {', '.join(CLUSTERS)}")
     p.add_argument("--world", type=positive(int), nargs="+", default=[8, 64, 512], help="GPUs")
     p.add_argument("--stage", nargs="+", default=list(STAGES), help=f"of {', '.join(STAGES)}")
+    p.add_argument("--hsdp", action="store_true", help="ZeRO-3 against HSDP (08) at each shard group size G, per "
+                   "--world: does HSDP beat ZeRO-3, and which G to choose")
+    p.add_argument("--shard-group", type=positive(int), nargs="+", metavar="G", default=[],
+                   help="HSDP's shard group sizes (08's --shard-group): one hsdp row each; with --hsdp, the sizes "
+                        "compared (default: a node, 2, 4, ... nodes, and N)")
     p.add_argument("--batch", type=positive(int), default=2, help="local batch, sequences per GPU")
     p.add_argument("--seq", type=positive(int), default=8192, help="tokens per sequence")
     p.add_argument("--ckpt", choices=["none", "selective", "full"], default="selective", help="activation checkpointing")
@@ -596,7 +686,16 @@ def main(argv=None):
         p.error(f"--world {bad[0]} is not a whole number of {c.gpus_per_node}-GPU nodes")
     if m.root >= m.params:
         p.error(f"--params {m.params:g} is smaller than the embeddings alone ({m.root:g})")
-    print(table(Workload(m, a.batch, a.seq, a.ckpt), c, a.world, a.stage))
+    for n, g in ((n, g) for n in a.world for g in a.shard_group):
+        node = min(n, c.gpus_per_node)
+        if n % min(g, n) or (min(g, n) % node and node % g):
+            p.error(f"--shard-group {g} does not tile {n} GPUs in {c.gpus_per_node}-GPU nodes: a shard group "
+                    f"divides N, and divides a node or is whole nodes")
+    w = Workload(m, a.batch, a.seq, a.ckpt)
+    if a.hsdp:
+        print("\n\n".join([title(w, c), *(hsdp_table(w, c, n, a.shard_group) for n in a.world)]))
+    else:
+        print(table(w, c, a.world, a.stage, a.shard_group))
     return 0
 
 

@@ -1,14 +1,16 @@
 """What each data-parallel stage costs at scale, on paper: compute, communication, overlap, memory.
 
-One training step of a dense transformer on N GPUs, for DP, ZeRO-1, ZeRO-2 and ZeRO-3 (with and
-without prefetch), scheduled as the lessons schedule it. Pure arithmetic; scripts/learn/at_scale.py
+One training step of a dense transformer on N GPUs, for DP, ZeRO-1, ZeRO-2, ZeRO-3 (with and
+without prefetch) and HSDP (08: ZeRO-3 inside shard groups of G GPUs, an all-reduce across the
+R = N / G replicas), scheduled as the lessons schedule it. Pure arithmetic; scripts/learn/at_scale.py
 is the command line, calibrates it on this machine and checks it against published numbers.
 
     compute     FLOPs per token = 6 (Psi - lookup-only params) + 12 L d s, at efficiency x peak
     collective  alpha-beta ring, bus-bandwidth convention, two levels (NVLink inside a node, NIC across)
     overlap     a main thread beside a communication thread running collectives in issue order
                 (simulate): buckets, units, gradients as 02, 03, 05, 06 issue them; on a CPU
-                rank the ring's own work shares the compute's core, the link's time hides
+                rank the ring's own work shares the compute's core, the link's time hides;
+                HSDP's all-reduce across replicas on a second stream, once its reduce-scatter is done
     memory      theory.py's model states + Korthikanti et al. 2022's activations + working buffers
     offload     07: my shard up and my gradient shard down over PCIe beside the compute, the
                 optimizer on the host's CPU; the device keeps only my shard in bf16
@@ -167,6 +169,7 @@ class Stage:
     in_flight: int = 0         # at most this many reduces in flight: the next waits for the oldest (0: any)
     norm_all_reduce: bool = False  # clipping sharded gradients: one scalar all-reduce after backward
     offload: bool = False      # 07: ZeRO-3 with the optimizer on the host (cluster.host)
+    shard_group: int = 0       # 08 (HSDP): ZeRO-3 inside groups of this many GPUs, replicated across them (0: all N)
 
 
 STAGES = {"dp": Stage(0, "all_reduce"),
@@ -174,7 +177,9 @@ STAGES = {"dp": Stage(0, "all_reduce"),
           "zero2": Stage(2, "reduce_scatter", gather="step"),
           "zero3": Stage(3, "reduce_scatter", gather="units", prefetch=True),
           "zero3-noprefetch": Stage(3, "reduce_scatter", gather="units", prefetch=False),
-          "zero3-offload": Stage(3, "reduce_scatter", gather="units", prefetch=True, offload=True)}
+          "zero3-offload": Stage(3, "reduce_scatter", gather="units", prefetch=True, offload=True),
+          # FSDP2 over a 2-D mesh: a shard group is one node of the presets (8 GPUs); replace() sets another G
+          "hsdp": Stage(3, "reduce_scatter", gather="units", prefetch=True, shard_group=8)}
 # the lessons themselves, for the calibrations on this machine: 01 all-reduces every gradient after
 # backward, 02 each one from its hook (async), 03 by bucket; 04-06 clip over shards (a scalar
 # all-reduce); 05 keeps two reduce-scatters in flight, 06 one (it waits for the last unit's first)
@@ -184,8 +189,26 @@ LESSONS = {"01_vanilla_dp": Stage(0, "all_reduce", overlap=False, per_tensor=Tru
            "04_zero1": Stage(1, "reduce_scatter", overlap=False, gather="step", norm_all_reduce=True),
            "05_zero2": Stage(2, "reduce_scatter", gather="step", in_flight=2, norm_all_reduce=True),
            "06_zero3": Stage(3, "reduce_scatter", gather="units", prefetch=True, in_flight=1, norm_all_reduce=True),
-           "06_zero3 --prefetch 0": Stage(3, "reduce_scatter", gather="units", in_flight=1, norm_all_reduce=True)}
+           "06_zero3 --prefetch 0": Stage(3, "reduce_scatter", gather="units", in_flight=1, norm_all_reduce=True),
+           "08_hybrid --shard-group 2": Stage(3, "reduce_scatter", gather="units", prefetch=True, in_flight=1,
+                                              norm_all_reduce=True, shard_group=2)}
 STRATEGY = {0: "vanilla_dp", 1: "zero1", 2: "zero2", 3: "zero3"}  # theory.theory_memory's names
+
+
+def shard_size(stage, world):
+    """G: the GPUs a unit is sharded over (08's shard group; all N but for HSDP, at most N)."""
+    return min(stage.shard_group or world, world)
+
+
+def groups(stage, world, cluster):
+    """08's grid on the cluster, {"intra": (ranks, ranks per node), "inter": (...)}: the shard
+    group, G consecutive ranks, and the replicate group, every G-th rank (R = N / G), each with
+    how many of its ranks share a node (torchrun numbers a node's GPUs consecutively). The keys
+    are 08's report's: a shard group of more than a node also crosses the NICs. Not HSDP: N, R = 1."""
+    g, shard = min(world, cluster.gpus_per_node), shard_size(stage, world)
+    if world % shard or (shard % g and g % shard):
+        raise ValueError(f"a shard group of {shard} GPUs does not tile {world} GPUs, {g} per node")
+    return {"intra": (shard, min(shard, g)), "inter": (world // shard, max(1, g // shard))}
 
 
 # ----------------------------------------------------------------------------- compute
@@ -235,14 +258,15 @@ def interpolate(points, x):
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-def collective_parts(op, size, world, cluster):
-    """Two levels, for world = g GPUs per node x m nodes: the op inside each node over the full
+def collective_parts(op, size, world, cluster, per_node=0):
+    """Two levels, for world = g GPUs per node x m nodes (g = per_node, or as many as a node holds,
+    for a group with fewer ranks per node: 08's replicate group): the op inside each node over the full
     tensor at NVLink speed, then across the m nodes on 1/g of it, the g rails in parallel at NIC
     speed (reduce-scatter: intra then inter; all-gather: inter then intra; all-reduce: both):
         t = ring(op, S, g, intra) + ring(op, S / g, m, inter)
     NCCL picks rings, trees or NVLS by size and scale; the bytes at the bottleneck are these.
     As ring_parts' (own, copy, wire), the two levels one after the other."""
-    g = min(world, cluster.gpus_per_node)
+    g = per_node or min(world, cluster.gpus_per_node)
     intra, inter = ring_parts(op, size, g, cluster.intra), ring_parts(op, size / g, world // g, cluster.inter)
     if not any(inter):
         return intra
@@ -281,9 +305,11 @@ def _units(m):
 
 def memory(w, stage, world):
     """Bytes per GPU: model states (theory.py), activations, working buffers (two buckets in
-    flight; ZeRO-3: the units gathered at once, current + prefetched, and one unit's gradient)."""
+    flight; ZeRO-3: the units gathered at once, current + prefetched, and one unit's gradient).
+    HSDP: ZeRO-3's over its shard group, (4 + 4 + 8) Psi / G (theory.py's "hybrid")."""
     psi, elem, grad = w.model.params, _elem(w), w.reduce_bytes or _elem(w)
-    states = theory_memory(STRATEGY[stage.zero], psi, world, w.precision)["total"]
+    strategy = "hybrid" if stage.shard_group else STRATEGY[stage.zero]
+    states = theory_memory(strategy, psi, shard_size(stage, world), w.precision)["total"]
     if stage.offload:  # 07: the device keeps my shard in the working precision; the host the rest
         states = elem * psi / world
     if stage.gather == "units":
@@ -322,15 +348,16 @@ def offload_copies(w, world, host, fwd, bwd, share):
 
 # ----------------------------------------------------------------------------- one step
 def simulate(program, share=None):
-    """Run one rank's main thread beside its communication thread, which runs collectives one
-    after another in issue order (NCCL's stream; the lessons' ring thread). program: ("compute",
-    s), ("issue", key, own, copy, wire) or ("wait", key). A collective works `own` seconds, then
-    `copy` seconds while it waits `wire` on the link. share: while the compute runs, a
-    collective's work (own, copy) runs at this rate; the compute keeps its pace (None: no sharing).
-    Returns (end, seconds the main thread was blocked in waits)."""
+    """Run one rank's main thread beside its communication streams, each running collectives one
+    after another in issue order (NCCL's streams; the lessons' ring thread). program: ("compute",
+    s), ("issue", key, own, copy, wire[, stream[, after]]) or ("wait", key); a collective with
+    `after` starts once that one is done (a stream waiting on another's event; stream 0 unless
+    named). A collective works `own` seconds, then `copy` seconds while it waits `wire` on the
+    link. share: while the compute runs, a collective's work (own, copy) runs at this rate; the
+    compute keeps its pace (None: no sharing). Returns (end, seconds the main thread was blocked)."""
     t = blocked = 0.0
     i, left, waiting = 0, None, None    # main: next op, compute left, key it is blocked on
-    queue, cur, done = [], None, {}     # comm: issued, not started; [key, own, copy, wire] running
+    queues, cur, done, after = {}, {}, {}, {}  # per stream: issued, not started; [key, own, copy, wire] running
     while True:
         while left is None and waiting is None and i < len(program):
             op, *a = program[i]
@@ -338,35 +365,35 @@ def simulate(program, share=None):
             if op == "compute" and a[0] > 0:
                 left = a[0]
             elif op == "issue":
-                queue.append(list(a))
+                queues.setdefault(a[4] if len(a) > 4 else 0, []).append(list(a[:4]))
+                after[a[0]] = a[5] if len(a) > 5 else None
             elif op == "wait" and a[0] not in done:
                 waiting = a[0]
-        if cur is None and queue:
-            cur = queue.pop(0)
-        if cur is not None and max(cur[1:]) <= 0:  # done (or free: a world of one)
-            done[cur[0]] = t
-            waiting, cur = None if waiting == cur[0] else waiting, None
+        for s, queue in queues.items():
+            if cur.get(s) is None and queue and (after[queue[0][0]] is None or after[queue[0][0]] in done):
+                cur[s] = queue.pop(0)
+        free = [s for s, c in cur.items() if c is not None and max(c[1:]) <= 0]
+        for s in free:  # done (or free: a world of one)
+            done[cur[s][0]] = t
+            waiting, cur[s] = None if waiting == cur[s][0] else waiting, None
+        if free:
             continue
-        if cur is None and left is None:
+        running = [c for c in cur.values() if c is not None]
+        if not running and left is None:
             return t, blocked
         rate = share if share is not None and left is not None else 1.0  # of the collective's work
-        if cur is None:
-            ends = []
-        elif cur[1] > 0:
-            ends = [cur[1] / rate]
-        else:
-            ends = [x for x in (cur[2] / rate, cur[3]) if x > 0]
+        ends = [c[1] / rate if c[1] > 0 else min(x for x in (c[2] / rate, c[3]) if x > 0) for c in running]
         dt = min([*ends, *([left] if left is not None else [])])
         t += dt
         blocked += dt if waiting is not None else 0.0
         if left is not None:
             left = None if dt == left else left - dt
-        if cur is not None:
-            if cur[1] > 0:
-                cur[1] = 0.0 if dt == ends[0] else cur[1] - dt * rate
+        for c, e in zip(running, ends):
+            if c[1] > 0:
+                c[1] = 0.0 if dt == e else c[1] - dt * rate
             else:
-                cur[2] = 0.0 if dt * rate >= cur[2] else cur[2] - dt * rate
-                cur[3] = 0.0 if dt >= cur[3] else cur[3] - dt
+                c[2] = 0.0 if dt * rate >= c[2] else c[2] - dt * rate
+                c[3] = 0.0 if dt >= c[3] else c[3] - dt
 
 
 ADAM_BYTES = {"bf16": 30, "fp32": 28}  # AdamW per parameter it updates: reads weight, grad, 2
@@ -375,7 +402,7 @@ ADAM_BYTES = {"bf16": 30, "fp32": 28}  # AdamW per parameter it updates: reads w
 
 def step(w, stage, world, cluster):
     """Predict one optimizer step on `world` GPUs: compute, each collective, what hides, memory."""
-    m, elem = w.model, _elem(w)
+    m, elem, shard, grid = w.model, _elem(w), shard_size(stage, world), groups(stage, world, cluster)
     grad = w.reduce_bytes or elem
     tokens = w.batch * w.seq
     rate = cluster.gpu.flops * cluster.efficiency
@@ -385,23 +412,33 @@ def step(w, stage, world, cluster):
     params = _units(m)  # in forward order; a unit's compute is its share of the FLOPs
     head = 6 * (m.root - m.lookup) / flops_per_token(m, w.seq)  # the root's compute: the head's matmul
     share = [head] + [(1 - head) / m.layers] * m.layers
-    opt = ADAM_BYTES[w.precision] * (m.params / world if stage.zero else m.params) / cluster.gpu.mem_bw
+    opt = ADAM_BYTES[w.precision] * (m.params / shard if stage.zero else m.params) / cluster.gpu.mem_bw
     if stage.offload:  # 07: AdamW on the host's CPU, my shard's parameters
         opt = m.params / world / cluster.host.adam
     comm = {op: {"calls": 0, "bytes": 0.0, "s": 0.0} for op in OPS}
-    times = {}  # (op, size) -> (own, copy, wire) s: a big model's DP step has thousands of equal buckets
-    program, pending = [], []  # the main thread's program; reduces not yet waited for, oldest first
+    times = {}  # (op, size, group) -> (own, copy, wire) s: a big model's DP step has thousands of equal buckets
+    program, pending, replicas = [], [], []  # the main thread's; reduces not yet waited for (key, bytes); 08's 5b)
+    per_link = {"intra": 0.0, "inter": 0.0}  # bytes each rank sends per step in each group (08's per_link)
+    wires = {"nvlink": 0.0, "nic": 0.0}  # and on each level of the network (collective_parts' two rings)
+    # HSDP's all-reduce runs on a stream of its own (FSDP2's; 08's replicate group, its own gloo
+    # thread), beside the shard group's collectives where the two use different links: a shard
+    # group of one node (NVLink), a replicate group of one GPU per node (the NICs); else one queue
+    beside = 1 if shard == cluster.gpus_per_node else 0
 
     def compute(s):
         program.append(("compute", s))
 
-    def issue(op, size):
-        if (op, size) not in times:
-            times[op, size] = collective_parts(op, size, world, cluster) if world > 1 else (0.0, 0.0, 0.0)
-        own, copy, wire = times[op, size]
+    def issue(op, size, group="intra", after=None):
+        n, per_node = grid[group]
+        if (op, size, group) not in times:
+            times[op, size, group] = collective_parts(op, size, n, cluster, per_node) if n > 1 else (0.0, 0.0, 0.0)
+        own, copy, wire = times[op, size, group]
         c = comm[op]
         c["calls"], c["bytes"], c["s"] = c["calls"] + 1, c["bytes"] + size, c["s"] + own + max(copy, wire)
-        program.append(("issue", len(program), *times[op, size]))
+        per_link[group] += RING_FACTOR[op](n) * size
+        wires["nvlink"] += RING_FACTOR[op](per_node) * size
+        wires["nic"] += RING_FACTOR[op](n // per_node) * size / per_node
+        program.append(("issue", len(program), own, copy, wire, beside if group == "inter" else 0, after))
         return program[-1][1]
 
     def wait(key):
@@ -409,8 +446,15 @@ def step(w, stage, world, cluster):
 
     def reduce(size):  # with a cap on the reduces in flight, first wait for the oldest
         while stage.in_flight and len(pending) >= stage.in_flight:
-            wait(pending.pop(0))
-        pending.append(issue(stage.reduce, size))
+            settle(*pending.pop(0))
+        pending.append((issue(stage.reduce, size), size))
+        if grid["inter"][0] > 1 and not stage.in_flight:  # FSDP2: once the reduce-scatter is done
+            replicas.append(issue("all_reduce", size / shard, "inter", after=pending[-1][0]))
+
+    def settle(key, size):  # 08: wait for a reduce-scatter, then all-reduce my shard across replicas
+        wait(key)
+        if grid["inter"][0] > 1 and stage.in_flight:
+            replicas.append(issue("all_reduce", size / shard, "inter"))
 
     # forward: ZeRO-3 gathers each unit first (issued one unit early with prefetch)
     if stage.gather == "units":
@@ -459,7 +503,9 @@ def step(w, stage, world, cluster):
             if stage.overlap:  # a bucket is full when backward has produced its bytes (uniformly)
                 compute(bwd * size / sum(sizes))
             reduce(size)
-    for key in pending:  # backward ends waiting for every reduce
+    for key, size in pending:  # backward ends waiting for every reduce (HSDP: and all-reduce)
+        settle(key, size)
+    for key in replicas:
         wait(key)
     # clipping sharded gradients takes one scalar all-reduce for the global norm; the optimizer
     # on what this GPU updates; then ZeRO-1/2 gather the updated parameters
@@ -484,5 +530,5 @@ def step(w, stage, world, cluster):
             "hidden_s": max(0.0, comm_s - exposed), "step_s": step_s,
             "tokens_per_s": tokens / step_s,  # per GPU
             "mfu": model_flops / step_s / cluster.gpu.flops,
-            "memory": memory(w, stage, world),
+            "memory": memory(w, stage, world), "per_link": per_link, "wires": wires,
             "copies": {"up_s": up, "down_s": down, "exposed_s": copies_exposed}}  # 07's; zero otherwise

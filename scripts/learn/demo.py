@@ -6,7 +6,7 @@
 import argparse
 import statistics
 
-from scripts.runs import available_lessons, device_and_host, launch, mib
+from scripts.runs import available_lessons, device_and_host, grid_args, launch, mib
 
 
 def main():
@@ -27,14 +27,16 @@ def main():
             tiers = r["memory"]["theory_tiers"]
             theory, theory_host = sum(tiers["device"].values()), sum(tiers["host"].values())
             peak -= m["host"]["params"]  # its host shards live through the whole step; the rest is the device's
-        rows.append((lesson, r["losses"][-1], 1e3 * statistics.median(r["step_time_s"]),
+        grid = grid_args(lesson, a.nproc)  # 08: two "nodes" of nproc / 2 ranks
+        rows.append((f"{lesson} G={grid[1]}" if grid else lesson, r["losses"][-1],
+                     1e3 * statistics.median(r["step_time_s"]),
                      r["comm"]["issued_ring_bytes_per_step"], r["comm"]["theory_ring_bytes_per_step"],
                      device, theory, peak, host, theory_host))
     print(f"\n{a.nproc} ranks, {a.precision}, {a.steps} steps; bytes per rank (MiB); "
           "issued = per optimizer step, the payloads the collectives asked for x ring factor (a count); "
           "device = params + grads + optimizer state held at rest (measured); peak params = the most "
           "parameter bytes on the device during the step; host = what 07 moved to host memory (on a CPU-only "
-          "machine the two tiers are one memory)")
+          "machine the two tiers are one memory); 08 runs as two nodes of G ranks")
     header = f"{'lesson':<20} {'final loss':>10} {'step ms':>8} {'issued':>7} {'theory':>7} " \
              f"{'device':>7} {'theory':>7} {'peak params':>11} {'host':>7} {'theory':>7}"
     print(header + "\n" + "-" * len(header))

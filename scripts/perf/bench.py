@@ -31,14 +31,14 @@ import statistics
 
 import torch
 
-from scripts.runs import ROOT, available_lessons, device_and_host, launch, mib
+from scripts.runs import ROOT, available_lessons, device_and_host, grid_args, launch, mib
 
 COUNTERPART = {"01_vanilla_dp": "ddp", "02_async_allreduce": "ddp", "03_buckets": "ddp",
                "04_zero1": "zero_redundancy", "05_zero2": "fsdp2_noreshard", "06_zero3": "fsdp2",
-               "07_offload": "fsdp2_offload"}
+               "07_offload": "fsdp2_offload", "08_hybrid": "fsdp2_hsdp"}
 LABEL = {"ddp": "DDP", "zero_redundancy": "DDP + ZeroRedundancyOptimizer",
          "fsdp2_noreshard": "FSDP2 (reshard_after_forward=False)", "fsdp2": "FSDP2 fully_shard",
-         "fsdp2_offload": "FSDP2 + CPUOffloadPolicy",
+         "fsdp2_offload": "FSDP2 + CPUOffloadPolicy", "fsdp2_hsdp": "FSDP2 HSDP (2-D mesh)",
          "local": "local (no communication)"}
 CONFIGS = {
     # the lessons' default GPT: 809,728 parameters in 52 tensors
@@ -79,7 +79,8 @@ def run_one(kind, name, nproc, steps, extra):
     # the measured step (the last) samples memory after every op: seconds; it is not timed
     args = ["--steps", steps, "--log-every", 10 ** 6, "--measure-step", steps - 1, "--peak-params", 0, *extra]
     if kind == "torch":
-        report = launch("scripts.perf.torch_reference", nproc, ["--impl", name, *args])
+        grid = grid_args("08_hybrid", nproc, args) if name == "fsdp2_hsdp" else []  # 08's grid
+        report = launch("scripts.perf.torch_reference", nproc, ["--impl", name, *args, *grid])
     else:
         report = launch(name, nproc, args + EXTRA[kind])
     times = report["step_time_s"][3:-1]  # drop warm-up (first-touch allocation, lazy optimizer

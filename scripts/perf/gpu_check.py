@@ -17,7 +17,9 @@ sends and receives on NCCL; with one GPU it says in one line that it is skipped)
 the GPUs and resumed at another world size on another device (CPU at world 2, or 1 GPU after N),
 and 06 with --activation-checkpointing block against without on one device (the same losses
 and bytes sent; the activation bytes measured beside the formula and the peak allocated). 07's
-lines give its tiers, its copies each way and how much of their time was hidden.
+lines give its tiers, its copies each way and how much of their time was hidden. 08 runs as two
+"nodes" of N / 2 GPUs (scripts/runs.grid_args; 1 x 1 at world 1), its shard and replicate groups
+NCCL sub-groups of one machine.
 Exits non-zero if any run fails, a loss is NaN or infinite at any step, two runs compared differ
 in length, or a loss is off by more than its tolerance at any step. On a machine without a GPU
 it says so and exits 0. (--device cpu runs the same checks on CPU with gloo: how the test suite
@@ -101,7 +103,7 @@ def parse():
                    help="cpu: the same checks on CPU with gloo, 2 ranks (the test suite's way in)")
     p.add_argument("--out", default="runs/gpu_check", help="where the table and every report go")
     p.add_argument("--lessons", nargs="+", default=CHECKED, choices=CHECKED, metavar="LESSON",
-                   help="only these (default: all, 01_vanilla_dp ... 07_offload)")
+                   help="only these (default: all, 01_vanilla_dp ... 08_hybrid)")
     a = p.parse_args()
     if a.steps < 2:
         p.error("--steps must be at least 2 (a save at step 2 is resumed)")

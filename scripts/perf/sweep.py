@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lessonkit import common, lifecycle
-from scripts.runs import ROOT, available_lessons, load_lesson
+from scripts.runs import ROOT, available_lessons, grid_args, load_lesson
 
 NO_PREFETCH = "06_zero3 --prefetch 0"
 
@@ -59,7 +59,8 @@ def run_lessons(runs, flags, track_peak):
         lesson, *extra = name.split()
         t0 = time.perf_counter()
         untracked = [] if track_peak is None or name in track_peak else ["--peak-params", "0"]
-        run = load_lesson(lesson).main([*flags, *extra, *untracked])  # after the sweep's flags: they win
+        grid = grid_args(lesson, dist.get_world_size(), [*flags, *extra])  # 08: two "nodes"
+        run = load_lesson(lesson).main([*flags, *extra, *untracked, *grid])  # after the sweep's flags: they win
         out["reports"][name] = run.final_report  # None on ranks other than 0
         out["seconds"][name] = time.perf_counter() - t0
         del run  # the lesson's model, strategy and optimizer go before the next one is built

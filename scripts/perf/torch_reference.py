@@ -4,6 +4,7 @@ benchmark compares like with like.
     torchrun --nproc_per_node=2 -m scripts.perf.torch_reference --impl ddp
     --impl ddp | zero_redundancy (DDP + ZeroRedundancyOptimizer) | fsdp2_noreshard | fsdp2
            | fsdp2_offload (FSDP2 + CPUOffloadPolicy, pinned where there is a GPU: 07's counterpart)
+           | fsdp2_hsdp (FSDP2 over a 2-D R x G mesh, G = --shard-group: 08's counterpart)
            | local (no communication at all: each rank trains its own rows, the limit of data
              parallelism on this machine)
 """
@@ -19,7 +20,7 @@ from lessonkit import common
 from model import get_batch
 from lessonkit import lifecycle, measure, optimizers
 
-IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2", "fsdp2_offload", "local")
+IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2", "fsdp2_offload", "fsdp2_hsdp", "local")
 
 
 class _ClippedStep:
@@ -48,7 +49,9 @@ def build(impl, model, args, env):
         opt = ZeroRedundancyOptimizer(optimizers.decay_groups(model, args.weight_decay), torch.optim.AdamW,
                                       **optimizers.adamw_kwargs(args))
         return wrapped, _ClippedStep(opt, list(model.parameters()), args.grad_clip)
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    g = args.shard_group or env.world_size  # HSDP: shard over G ranks, replicate over R = N / G
+    mesh = (init_device_mesh(env.device.type, (env.world_size // g, g), mesh_dim_names=("replicate", "shard"))
+            if impl == "fsdp2_hsdp" else init_device_mesh(env.device.type, (env.world_size,)))
     reshard = impl != "fsdp2_noreshard"
     offload = {}
     if impl == "fsdp2_offload":  # pinned host memory needs a GPU to pin for (07 pins only there too)
