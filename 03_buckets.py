@@ -95,7 +95,7 @@ def main(argv=None):
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
     run = measure.Run(args, env, "buckets", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
-                                   functools.partial(optimizers.checkpoint_shards, optimizer))
+                                   functools.partial(optimizers.checkpoint_shards, optimizer), loss_scaler=scaler)
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

@@ -58,7 +58,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     broadcast here, so ranks may start from different weights. Call `step()` once per optimizer
     step, after the last micro-step's backward, then `zero_grad()`.
 
-    In bf16 and fp16, micro-steps' gradients add up in fp32, never in 2 bytes: the flat buffer
+    In bf16, micro-steps' gradients add up in fp32, never in bf16 (fp16 likewise): the flat buffer
     holds their fp32 sum (ddp.FP32Accumulation, as 01-03) rounded once, which the reduce-scatter
     moves.
     """
@@ -191,7 +191,7 @@ def main(argv=None):
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
     run = measure.Run(args, env, "zero1", model, optimizer, loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
-                                   functools.partial(checkpoint_shards, optimizer))
+                                   functools.partial(checkpoint_shards, optimizer), loss_scaler=scaler)
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

@@ -29,12 +29,12 @@ the step each bucket is all-gathered. Communication is the same as in 01 and 04:
 
 PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)`; DeepSpeed: ZeRO stage 2.
 
-Gradient accumulation (--grad-accum K): this lesson reduce-scatters on every micro-step and
-adds my slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do. In bf16
-and fp16, micro-steps' gradients add up in fp32, never in 2 bytes (the shard becomes fp32 at the
-second micro-step: 4 Psi / N bytes). The other choice, 04's, accumulating locally and reducing
-once, needs the whole gradient alive between micro-steps: 2 Psi bytes, and in bf16 or fp16 4 Psi
-more for its fp32 sum, which is what this stage exists to remove.
+Gradient accumulation (--grad-accum K): this lesson reduce-scatters on every micro-step and adds my
+slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do. In bf16, micro-steps'
+gradients add up in fp32, never in bf16 (fp16 likewise: the shard becomes fp32 at the second
+micro-step, 4 Psi / N bytes). The other choice, 04's, accumulating locally and reducing once, needs the
+whole gradient alive between micro-steps: 2 Psi bytes, and in bf16 or fp16 4 Psi more for its fp32
+sum, which is what this stage exists to remove.
 The price of keeping 2 Psi / N: K reduce-scatters per optimizer step, (K + 1) Psi (N-1)/N
 elements sent instead of 2 Psi (N-1)/N, each hidden behind its micro-step's backward as far
 as the bandwidth allows. Where memory is plenty and bandwidth scarce, ZeRO-1 accumulates for free.
@@ -218,7 +218,7 @@ def main(argv=None):
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
     run = measure.Run(args, env, "zero2", model, optimizer, loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
-                                   functools.partial(checkpoint_shards, optimizer))
+                                   functools.partial(checkpoint_shards, optimizer), loss_scaler=scaler)
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

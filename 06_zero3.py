@@ -25,6 +25,12 @@ gradient to accumulate into). Shaped like FSDP2: `parameters()` are my shards, f
 weights any torch.optim optimizer updates; a MixedPrecisionPolicy casts them to param_dtype in
 each all-gather and reduce-scatters in reduce_dtype. At rest: (4 + 4 + 8) Psi / N bytes.
 
+In fp16 the loop is FSDP2's with ShardedGradScaler: the optimizer is torch's, over fp32 shards,
+and clipping sits between backward and step, so `scaler.unscale_(optimizer)` comes first: it
+divides my shards' fp32 gradients by the loss scale (before clipping, which must see the true
+norm) and all-reduces a found-inf flag, since an inf in rank 1's shard is invisible to rank 0;
+`scaler.step` then skips on every rank or none (lessonkit/loss_scale.py).
+
 With --activation-checkpointing block each block keeps only its input and recomputes itself in
 backward (model.py). The checkpoint sits inside the unit: the unit's hooks wrap the block's
 call, and the recomputation runs inside the unit's backward, after 4) has gathered it, so the
@@ -37,6 +43,7 @@ would gather and free it outside the schedule (with two blocks, 7 all-gathers a 
     torchrun --nproc_per_node=2 06_zero3.py                  # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=2 06_zero3.py --prefetch 0     # no prefetch: measure what it buys
     torchrun --nproc_per_node=2 06_zero3.py --precision bf16 # gather, compute, reduce in bf16
+    torchrun --nproc_per_node=2 06_zero3.py --precision fp16 # the same in fp16, the loss scaled
     torchrun --nproc_per_node=2 06_zero3.py --activation-checkpointing block  # recompute blocks
     torchrun --nproc_per_node=4 06_zero3.py --device cuda    # 4 GPUs (nccl)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
@@ -53,7 +60,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP2's own (param_dtype, reduce_dtype)
 
-from lessonkit import checkpoint, common, lifecycle, measure, optimizers
+from lessonkit import checkpoint, common, lifecycle, loss_scale, measure, optimizers
 from model import GPT, get_batch, init_parameters
 
 
@@ -143,7 +150,7 @@ class ZeRO3(nn.Module):
     `parameters()` / `named_parameters()` are my shards (flat; named as the module names its
     parameters): build any torch.optim optimizer over them. `loss.backward()` leaves each
     shard's averaged gradient in its `.grad` (micro-steps add up there, until zero_grad(): In
-    bf16, micro-steps' gradients add up in fp32, never in bf16, since the shards are fp32).
+    bf16, micro-steps' gradients add up in fp32, never in bf16, since the shards are fp32; fp16 too).
     `clip_grad_norm_(max_norm)` clips across all ranks' shards, as FSDP1's method of that name.
     A meta module is materialised, initialised and sharded one unit at a time, so no rank holds
     more than one full unit besides its shards; a materialised one takes rank 0's values.
@@ -360,7 +367,7 @@ class ZeRO3(nn.Module):
         unused = self.used.unused() if self.used else ()
         for unit in self.units:
             if unit.grad_shard is not None:  # into my shards' .grad, in their dtype (fp32):
-                grad = self._reduced_grad(unit)  # micro-steps add up there, not in bf16
+                grad = self._reduced_grad(unit)  # micro-steps add up there, not in 2 bytes
                 for p, shard, (lo, hi) in zip(unit.params, unit.sharded, unit.ranges):
                     if p.requires_grad and hi > lo and p not in unused:  # (nothing to step: no grad)
                         shard.grad = grad[lo:hi] if shard.grad is None else shard.grad.add_(grad[lo:hi])
@@ -407,7 +414,7 @@ def build_model(args, env, strategy=None, **kwargs):
         else:  # a block gets the values it gets in GPT(cfg, seed): its generators are by name
             init_parameters(module, args.seed, args.n_layer, prefix=prefix)
 
-    # --precision bf16: gather, compute and reduce-scatter in bf16 (the ZeRO paper's 2 bytes)
+    # --precision bf16 or fp16: gather, compute and reduce-scatter in it (the ZeRO paper's 2 bytes)
     policy = MixedPrecisionPolicy(param_dtype=common.working_dtype(args))
     return (strategy or ZeRO3)(gpt, units=list(gpt.blocks), mp_policy=policy, param_init_fn=init_unit,
                                prefetch=bool(args.prefetch), device=env.device, **kwargs)
@@ -419,9 +426,11 @@ def main(argv=None):
     model = build_model(args, env)
     # any optimizer, over my shards, as over FSDP2's (weight decay: the matrices' shards only)
     optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
-    run = measure.Run(args, env, "zero3", model.module, optimizer, holders=[model])
+    # fp16: dynamic loss scaling, ShardedGradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    run = measure.Run(args, env, "zero3", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
-                                   functools.partial(checkpoint_shards, model, optimizer))
+                                   functools.partial(checkpoint_shards, model, optimizer), loss_scaler=scaler)
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN
@@ -431,11 +440,13 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # 1) gather 2) forward 3) free, unit by unit
-                loss.backward()  # 4) gather again 5) reduce-scatter into my shards' .grad, unit by unit
+                scaler.scale(loss).backward()  # 4) gather again 5) reduce-scatter into my shards' .grad, unit by unit
                 losses.append(loss)
+            scaler.unscale_(optimizer)  # fp16: my shards' fp32 .grad / S before clipping; found-inf from every rank
             if args.grad_clip > 0:
                 model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce
-            optimizer.step()  # 6) AdamW on my shards
+            scaler.step(optimizer)  # 6) AdamW on my shards (fp16: skipped on every rank if some rank found an inf)
+            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END

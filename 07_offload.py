@@ -30,6 +30,7 @@ tiers are the same memory: the lesson runs the same schedule with plain copies, 
     python 07_offload.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 07_offload.py                  # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=2 07_offload.py --precision bf16 # 2 bytes per parameter on the device
+    torchrun --nproc_per_node=2 07_offload.py --precision fp16 # the same, the loss scaled (06's loop)
     torchrun --nproc_per_node=4 07_offload.py --device cuda    # 4 GPUs (nccl), pinned host memory
     torchrun --nproc_per_node=2 07_offload.py --layout uneven --vocab-size 8192  # the older layout
 
@@ -45,7 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy  # FSDP2's own (pin_memory)
 
-from lessonkit import checkpoint, common, lifecycle, measure, optimizers
+from lessonkit import checkpoint, common, lifecycle, loss_scale, measure, optimizers
 from model import get_batch
 
 zero3 = importlib.import_module("06_zero3")  # 07 is 06 plus offload: its units, hooks and schedule
@@ -227,9 +228,11 @@ def main(argv=None):
     model = build_model(args, env)
     # any optimizer, over my shards on the host: it steps there (foreach: one kernel per op)
     optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
-    run = measure.Run(args, env, "offload", model.module, optimizer, holders=[model])
+    # fp16: dynamic loss scaling, ShardedGradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    run = measure.Run(args, env, "offload", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
-                                   functools.partial(zero3.checkpoint_shards, model, optimizer))
+                                   functools.partial(zero3.checkpoint_shards, model, optimizer), loss_scaler=scaler)
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN
@@ -239,11 +242,13 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # 0) upload 1) gather 2) forward 3) free
-                loss.backward()  # 4) gather 5) reduce-scatter 5b) download into my shards' .grad
+                scaler.scale(loss).backward()  # 4) gather 5) reduce-scatter 5b) download into my shards' .grad
                 losses.append(loss)
+            scaler.unscale_(optimizer)  # fp16: my shards' fp32 .grad / S, on the host, before clipping (as 06)
             if args.grad_clip > 0:
                 model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce, on the device
-            optimizer.step()  # 6) AdamW on my shards, on the host
+            scaler.step(optimizer)  # 6) AdamW on my shards, on the host (fp16: skipped on every rank or none)
+            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END

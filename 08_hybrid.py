@@ -24,8 +24,11 @@ Per rank and step: intra 3 Psi (G-1)/G (06's traffic at world size G) and inter 
 a ring all-reduce of a shard G times smaller than DDP's gradient. The gradient is the global
 batch's mean: each rank divides by N once, before 5), and 5) and 5b) add up the rest. Clipping
 sums the squared norms of my shards over my shard group only: my replicas hold the same shards,
-and counted over all N ranks each element would count R times. With K micro-steps, 5b) runs at
-each (3 K Psi (G-1)/G and 2 K (Psi/G)(R-1)/R), as FSDP2 does unless told set_requires_all_reduce.
+and counted over all N ranks each element would count R times. fp16's found-inf flag is
+all-reduced over all N ranks (a flag counted R times is still raised): after 5b) an inf in my
+shard is in my replicas' too, but every rank's verdict is the rule that needs no such argument.
+With K micro-steps, 5b) runs at each (3 K Psi (G-1)/G and 2 K (Psi/G)(R-1)/R), as FSDP2 does
+unless told set_requires_all_reduce.
 G = N is 06 exactly (the replicate groups hold one rank each); G = 1 is replication, DDP's
 all-reduce of the whole gradient (Psi/1), with the gathers and reduce-scatters over one rank
 copying.
@@ -61,7 +64,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lessonkit import checkpoint, common, lifecycle, measure, optimizers
+from lessonkit import checkpoint, common, lifecycle, loss_scale, measure, optimizers
 from model import get_batch
 
 zero3 = importlib.import_module("06_zero3")  # 08 is 06 over a shard group, plus 5b)
@@ -150,9 +153,12 @@ def main(argv=None):
     model = build_model(args, env, groups)
     # any optimizer, over my shards (Psi / G), as over FSDP2's (weight decay: the matrices' shards)
     optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
-    run = measure.Run(args, env, "hybrid", model.module, optimizer, holders=[model])
+    # fp16: dynamic loss scaling (lessonkit/loss_scale.py); its found-inf flag is all-reduced over the
+    # world, not my shard group: every rank, every replica, takes the same decision
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    run = measure.Run(args, env, "hybrid", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
-                                   functools.partial(checkpoint_shards, model, optimizer))
+                                   functools.partial(checkpoint_shards, model, optimizer), loss_scaler=scaler)
     start = ckpt.resume()  # 0, or the step the newest checkpoint stopped at (any grid's, or 06's)
 
     ### TRAINING SECTION BEGIN
@@ -162,11 +168,13 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # 1) gather in my group 2) forward 3) free
-                loss.backward()  # 4) gather 5) reduce-scatter in my group 5b) all-reduce across replicas
+                scaler.scale(loss).backward()  # 4) gather 5) reduce-scatter in my group 5b) all-reduce across replicas
                 losses.append(loss)
+            scaler.unscale_(optimizer)  # fp16: as 06 (the found-inf flag: over the world, not my group)
             if args.grad_clip > 0:
                 model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce, over my shard group
-            optimizer.step()  # 6) AdamW on my shards, the same on every replica
+            scaler.step(optimizer)  # 6) AdamW on my shards, the same on every replica (fp16: or skipped on all)
+            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (shard group 0 writes: 06's files at world G)
     ### TRAINING SECTION END

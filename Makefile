@@ -53,7 +53,7 @@ grade-class: setup ## grade a folder of submissions (directories, .zip, .tar.gz)
 	$(if $(SUBMISSIONS),,$(error grade-class needs the folder of submissions: make grade-class SUBMISSIONS=DIR))
 	$(PY) -m scripts.course.grade_class $(SUBMISSIONS) --out $(or $(GRADES),.)
 
-gpu-check: setup ## on a machine with GPUs: every lesson on CUDA/nccl (00 at 2+ GPUs), fp32 and bf16, one table (runs/gpu_check/); exits 1 on a NaN, a short run or a loss off; no GPU: says so
+gpu-check: setup ## on a machine with GPUs: every lesson on CUDA/nccl (00 at 2+ GPUs), fp32, bf16 (where the GPUs have it) and fp16, one table (runs/gpu_check/); exits 1 on a NaN, a short run or a loss off; no GPU: says so
 	$(PY) -m scripts.perf.gpu_check
 
 .PHONY: fuzz

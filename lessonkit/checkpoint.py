@@ -1,7 +1,7 @@
 """Checkpoints that survive a crash and a change of world size, for every lesson (docs/checkpoints.md).
 
 Each rank writes what it owns as ranges [lo, hi) of ONE parameter's flat values, of one kind: "param"
-(its working dtype), "master" (bf16's fp32 master weights) or AdamW's "exp_avg", "exp_avg_sq" (with
+(its working dtype), "master" (bf16's, fp16's fp32 master weights) or AdamW's "exp_avg", "exp_avg_sq" (with
 its step count); loading fills whatever the NEW layout gives this rank (reshard.py). A strategy says
 what it holds with `checkpoint_shards(names) -> [FlatShard, ...]`.
 """
@@ -25,8 +25,7 @@ FlatShard, flat_buffer_shards = reshard.FlatShard, reshard.flat_buffer_shards  #
 
 # ----------------------------------------------------------------------------- save
 def _write_atomic(path, write):
-    """Write to a temporary name in the same directory, flush to disk, rename: a reader sees the
-    old file or the whole new one, never half of it. Then make the rename itself durable."""
+    """Write a temporary file, fsync, rename, fsync the directory: readers see the old or the whole new file."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         write(f)
@@ -45,9 +44,8 @@ def save(path, step, module, holder, meta):
         os.makedirs(path, exist_ok=True)
         if os.path.exists(os.path.join(path, "COMPLETE")):  # saving this step again: it is not
             os.remove(os.path.join(path, "COMPLETE"))        # complete until every file is new
-    # One id for this save, in every file of it: a rank file from another save (another run, or
-    # this step saved again) can have the same step and ranges, and must still be refused.
-    # (uuid, not torch's generator: saving must not move the RNG a resumed run continues.)
+    # One id per save, in all its files: another save's rank file (another run, this step saved again)
+    # can have the same step and ranges. (uuid: saving must not move the RNG a resumed run continues.)
     save_id = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(save_id, src=0)  # also the barrier: the directory exists
     entries = []
@@ -151,8 +149,7 @@ def read(path, check=None):
 
 
 def load(path, module, holder, check=None):
-    """Collective: validate everything on every rank, agree, and only then copy into the live
-    tensors, so a bad checkpoint is refused on every rank and never half-loaded. Returns meta."""
+    """Collective: validate on every rank, agree, only then copy: refused everywhere or loaded whole. Returns meta."""
     error = None
     try:
         meta, index, steps = read(path, check)  # check: the caller's refusals (lesson, model, ...)
@@ -189,21 +186,21 @@ class Checkpointer:
     strategy  the lesson's strategy name ("zero1"): a checkpoint of another lesson is refused
     module    the plain model (names and shapes: GPT's, so a checkpoint consolidates into GPT)
     holder    checkpoint_shards(names) -> [FlatShard]: what this rank holds
+    loss_scaler  fp16's (loss_scale.py): its state_dict saved in meta.json, loaded on resume
     """
 
-    # the model's shape and precision, and the data stream (step k's batch is a function of the
-    # seed and the global batch): a resumed run must continue the same stream to equal one
-    # that never stopped. --lr, --grad-clip, --grad-accum, --bucket-mb may change.
+    # the model's shape and precision, and the data stream (step k's batch: a function of the seed and
+    # the global batch), so a resumed run equals one that never stopped. --lr, --grad-clip etc. may change.
     MUST_MATCH = ("precision", "vocab_size", "seq_len", "n_layer", "d_model", "n_head", "seed", "global_batch")
 
-    def __init__(self, args, env, strategy, module, holder):
+    def __init__(self, args, env, strategy, module, holder, loss_scaler=None):
         self.args, self.env, self.strategy, self.module, self.holder = args, env, strategy, module, holder
+        self.loss_scaler = loss_scaler if loss_scaler is not None and loss_scaler.enabled else None
 
     def resume(self):
-        """With --resume: load the newest complete checkpoint and return its step, the next step
-        to run (the data is indexed by step, so that is also the position in the data); else 0.
-        --resume auto: the same if there is one, else 0; so one command serves a job's first run
-        and torchrun's restarts of it (--max-restarts), whose workers run that command again."""
+        """With --resume: load the newest complete checkpoint and return its step, the next step to run
+        (and the position in the data, indexed by step); else 0. --resume auto: the same if there is one,
+        else 0: one command serves a job's first run and torchrun's restarts of it (--max-restarts)."""
         a = self.args
         if not a.resume:
             if a.save_every and _steps(a.checkpoint_dir):  # --resume would later mix two runs' files
@@ -220,6 +217,8 @@ class Checkpointer:
         if self.path is None:
             raise CheckpointError(f"--resume: no complete checkpoint in {a.checkpoint_dir}")
         meta = load(self.path, self.module, self.holder, check=self._check)
+        if self.loss_scaler is not None:  # the scale, growth tracker and skipped steps it stopped with
+            self.loss_scaler.load_state_dict(meta["loss_scale"])
         if self.env.master:
             print(f"resumed from {self.path}: step {meta['step']}, saved at world size {meta['world_size']}, "
                   f"now {self.env.world_size}", flush=True)
@@ -244,7 +243,8 @@ class Checkpointer:
             path = os.path.join(a.checkpoint_dir, f"step_{step:06d}")
             meta = {"strategy": self.strategy, "precision": a.precision, "config": vars(a),
                     # the data of step k is global_batch(seed, k, ...) whatever the world size
-                    "data": {"next_step": step, "seed": a.seed, "global_batch": a.global_batch}}
+                    "data": {"next_step": step, "seed": a.seed, "global_batch": a.global_batch},
+                    "loss_scale": self.loss_scaler and self.loss_scaler.state_dict()}  # fp16; else None
             save(path, step, self.module, self.holder, meta)
             if self.env.master:
                 print(f"checkpoint {path} saved (world size {self.env.world_size})", flush=True)

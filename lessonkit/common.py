@@ -120,8 +120,6 @@ def parse_args(argv=None, description=""):
             fail(f"--{name.replace('_', '-')} must be 0 or positive, got {getattr(args, name)}")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
-    if args.precision == "fp16" and (description[:9] in [f"Lesson 0{n}" for n in range(6, 9)] or args.checkpoint_dir):
-        fail("--precision fp16: lessons 01-05 so far, without checkpoints (no loss scale saved); 06-08 run fp32 or bf16")
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
     for flag, spec in (("--link", args.link), ("--inter-link", args.inter_link)):
         if spec is not None and args.collectives == "torch":
@@ -204,7 +202,7 @@ def init_distributed(args) -> Dist:
     backend = "nccl" if kind == "cuda" else "gloo"
     if kind == "cuda":
         torch.cuda.set_device(device)  # before anything touches CUDA: else every rank makes a context on GPU 0
-        if args.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        if args.precision == "bf16" and torch.cuda.get_device_capability(device) < (8, 0):  # (not emulated)
             fail(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16 support (use --precision fp16, or fp32)")
     if not dist.is_initialized() and "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group(backend, timeout=timeout, device_id=device if kind == "cuda" else None)

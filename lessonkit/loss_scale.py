@@ -1,5 +1,5 @@
 """Dynamic loss scaling for `--precision fp16`, written once for every lesson: LossScaler, with
-torch.amp.GradScaler's defaults, semantics and calls (01-05 so far).
+torch.amp.GradScaler's defaults, semantics and calls.
 
 Why scale. fp16 has 5 exponent bits: its smallest normal number is 2^-14 (subnormals reach
 2^-24, with fewer and fewer significant bits), and the gradients of a loss averaged over many
@@ -26,6 +26,12 @@ see the true norm). The protocol, explicit: such an optimizer's class sets `unsc
 True`, and its step(unscale=fn) calls fn(its fp32 gradients) before clipping and, when fn returns
 False, changes nothing (parameters, masters, moments, step count).
 
+06-08 need no protocol: their shards are fp32 and the master weights (FSDP2's convention), their
+optimizer is any torch.optim one, and their loop is FSDP2's with ShardedGradScaler, which clips
+between backward and step: `scaler.scale(loss).backward()`, `scaler.unscale_(optimizer)` (the
+shards' fp32 .grad divided by S in place, and every rank's verdict taken), clipping,
+`scaler.step(optimizer)` (skipped on that verdict), `scaler.update()`.
+
 Why the found-inf flag is global. Every rank must take the same decision: a rank that steps
 while another skips leaves the replicas (01-03) apart for good, or the shards (04-08) at
 different steps. In 01-03 every rank already holds the same all-reduced gradients, so an inf on
@@ -35,7 +41,11 @@ inf in rank 1's shard is invisible to rank 0. Like clipping, which needs the nor
 shard (optimizers.clip_grad_norm_), the check must then be global, which is why PyTorch has a
 ShardedGradScaler (FSDP) that all-reduces its flag. This scaler, one for every lesson, always
 does: one 1-element all-reduce per step (SUM: the number of ranks that found one; the ring
-carries SUM), measured with the lesson's other collectives.
+carries SUM), measured with the lesson's other collectives. Over the whole world, in 08 too:
+its replicas hold the same shards, but the rule that needs no argument is every rank's verdict.
+
+Checkpoints keep it (checkpoint.Checkpointer: meta.json's "loss_scale", state_dict()): a
+resumed run continues with the scale, growth tracker and skipped steps it stopped with.
 
 Disabled (every precision but fp16) it is the identity: scale(loss) is loss, step(optimizer) is
 optimizer.step(), update() does nothing, and no collective runs.
@@ -61,6 +71,7 @@ class LossScaler:
         self.growth_tracker = 0  # clean steps in a row since S last changed
         self.steps, self.skipped_steps = 0, []  # optimizer steps seen (update() calls); those skipped
         self.found_inf = False  # this step's verdict, every rank's
+        self.unscaled = False  # unscale_() called since the last update(): step() keeps its verdict
 
     def scale(self, loss):
         return loss * self.loss_scale if self.enabled else loss
@@ -73,14 +84,23 @@ class LossScaler:
         optimizers (`unscale_in_step`: 01-03's MixedPrecisionAdamW, 04's and 05's) cast to fp32
         first and call unscale() with their fp32 gradients (step(unscale=)), skipping the step
         when it returns False; any torch.optim optimizer over fp32 parameters is handled as
-        GradScaler does: its parameters' own .grad are unscaled in place."""
+        GradScaler does: its parameters' own .grad are unscaled in place (unscale_, unless the
+        loop called it already)."""
         if not self.enabled:
             return optimizer.step()
         if getattr(optimizer, "unscale_in_step", False):  # the protocol (the module docstring)
             return optimizer.step(unscale=self.unscale)
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if self.unscale(grads):
+        self.unscale_(optimizer)
+        if not self.found_inf:
             return optimizer.step()
+
+    def unscale_(self, optimizer):
+        """GradScaler.unscale_: divide the fp32 .grad of `optimizer`'s parameters by S in place and
+        take every rank's verdict, once per step; the loop clips after it, on the true gradients."""
+        if self.enabled and not self.unscaled:
+            if getattr(optimizer, "unscale_in_step", False):
+                raise RuntimeError("this optimizer unscales inside step(), before its own clipping: call step() only")
+            self.unscale([p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None])
 
     @torch.no_grad()
     def unscale(self, grads):
@@ -92,7 +112,7 @@ class LossScaler:
             g.mul_(1.0 / self.loss_scale)  # exact: 1/S is a power of two (an inf stays one: skipped anyway)
         if dist.is_initialized():  # every rank must take the same decision (the docstring says why)
             dist.all_reduce(found_inf)
-        self.found_inf = found_inf.item() > 0
+        self.found_inf, self.unscaled = found_inf.item() > 0, True
         if self.found_inf:
             self.skipped_steps.append(self.steps)
         return not self.found_inf
@@ -112,7 +132,19 @@ class LossScaler:
             self.growth_tracker = 0
         else:
             self.growth_tracker += 1
-        self.found_inf = False
+        self.found_inf = self.unscaled = False
+
+    def state_dict(self):
+        """GradScaler.state_dict's keys, plus the steps seen and those skipped (the report's)."""
+        return {"scale": self.loss_scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self.growth_tracker,
+                "steps": self.steps, "skipped_steps": list(self.skipped_steps)}
+
+    def load_state_dict(self, state):
+        self.loss_scale, self.growth_tracker = float(state["scale"]), int(state["_growth_tracker"])
+        self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
+        self.growth_interval, self.steps = state["growth_interval"], state["steps"]
+        self.skipped_steps = list(state["skipped_steps"])
 
     def report(self):
         """For the run's report (measure.Run): None unless enabled."""

@@ -190,17 +190,15 @@ def adamw_kwargs(args):
 
 
 class MixedPrecisionAdamW:
-    """AdamW with global-norm clipping and, for bf16 or fp16 parameters, fp32 master weights.
-
-    Used replicated by 01-03 (every rank holds all of it). fp32: AdamW runs on the parameters
-    themselves. bf16, fp16: AdamW runs on fp32 copies, rounded into the parameters after the
-    step. Moments are fp32 either way: 12 bytes per parameter in bf16 and fp16, as in ZeRO."""
+    """AdamW with global-norm clipping and, for bf16 or fp16 parameters, fp32 master weights. Used
+    replicated by 01-03. fp32: AdamW runs on the parameters themselves. bf16, fp16: on fp32 copies,
+    rounded into the parameters after the step. Moments are fp32: 12 bytes per parameter, as in ZeRO."""
     unscale_in_step = True  # fp16: LossScaler.step calls step(unscale=) (lessonkit/loss_scale.py)
 
     def __init__(self, params, grad_clip=0.0, **adamw_kwargs):
         groups, _ = param_groups(params)  # parameters, or torch.optim's param groups
         self.params = [p for g in groups for p in g["params"]]
-        self.grad_clip = grad_clip
+        self.grad_clip, self.cast = grad_clip, False  # cast: master_grads() ran since the last step
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         self.master = [master_weights(p).view_as(p).clone() for p in self.params] if self.mixed else self.params
         master_of = dict(zip(self.params, self.master))
@@ -212,33 +210,35 @@ class MixedPrecisionAdamW:
         return self.optim.param_groups
 
     def master_grads(self):
-        """The fp32 gradients AdamW steps with: p.grad cast once into its master's (until zero_grad)."""
+        """The fp32 gradients AdamW steps with: every p.grad cast anew into its master's .grad. A loop
+        with torch.amp.GradScaler calls it before scaler.unscale_(optimizer); step() casts otherwise."""
         for p, m in zip(self.params, self.master) if self.mixed else ():
-            if m.grad is None and p.grad is not None:
-                m.grad = p.grad.float()
+            m.grad = None if p.grad is None else p.grad.float()
+        self.cast = True
         return [m.grad for m in self.master if m.grad is not None]
 
     @torch.no_grad()
     def step(self, unscale=None):
         """unscale (fp16: LossScaler.step's) divides the fp32 gradients by the loss scale, before clipping;
         False: an inf or NaN on some rank, so every rank skips the step."""
-        grads = self.master_grads()
+        grads = [m.grad for m in self.master if m.grad is not None] if self.cast else self.master_grads()
         if unscale is None or unscale(grads):
             if self.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.master, self.grad_clip, foreach=True)
             self.optim.step()
         for p, m in zip(self.params, self.master) if self.mixed else ():
-            p.copy_(m)  # (as it was, if skipped); m.grad goes: the next step casts p.grad anew, however
-            m.grad = None  # the caller drops p.grad (zero_grad, p.grad = None, module.zero_grad())
+            p.copy_(m)  # (as it was, if skipped); the cast goes, however the loop drops p.grad (a step
+            m.grad = None  # GradScaler skips never gets here: its loop's master_grads() casts anew)
+        self.cast = False
 
     def zero_grad(self, set_to_none=True):
-        """As torch.optim's: set_to_none (the default) drops every gradient, so a parameter that
-        gets none in the next step is skipped by AdamW, as in one process; False zeroes them in
-        place (03's bucket views stay views), and AdamW then moves a parameter left at zero."""
+        """As torch.optim's: set_to_none (the default) drops every gradient, so AdamW skips a parameter
+        that gets none next step; False zeroes them in place (03's bucket views stay views)."""
         for p, m in zip(self.params, self.master):
             p.grad = None if set_to_none or p.grad is None else p.grad.zero_()  # (zero_: the same tensor)
             if m is not p:
-                m.grad = None  # the fp32 cast of p.grad (master_grads)
+                m.grad = None  # p.grad's fp32 cast (master_grads)
+        self.cast = False
 
 
 def checkpoint_shards(optimizer, names):

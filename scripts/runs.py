@@ -11,6 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the trainers (00_collectives.py trains nothing: it runs on its own, and is tested on its own)
 LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_zero2", "06_zero3", "07_offload",
            "08_hybrid"]
+# the lessons that take --precision fp16 (all of them; a lesson added later joins when it does):
+# for every tool that runs fp16 (the GPU check, the demo) and for the differential fuzzer
+FP16_LESSONS = list(LESSONS)
 
 
 def grid_args(script, nproc, args=()):

@@ -13,8 +13,12 @@ Counterparts: DDP(find_unused_parameters=True) for 01-03, DDP + ZeroRedundancyOp
 (in bf16 FSDP2 without resharding instead: ZeroRedundancyOptimizer keeps no fp32 master weights),
 FSDP2 fully_shard without resharding (the whole model one group) for 05 and with resharding
 (each block a unit) for 06 and 07 (offload changes where it computes, not what), where FSDP2 can
-run the case (fsdp2_can_run). Every run uses find_unused; FSDP2 reduce-scatters zeros for a
-parameter its rank did not reach, and the loop drops the gradient of one no rank reached (the
+run the case (fsdp2_can_run). fp16 (the lessons that take it, FP16) adds a loss scaler to every
+run (LOSS_SCALES): the lessons' LossScaler; torch.amp.GradScaler for DDP, which is then 04's
+counterpart too, over the lessons' MixedPrecisionAdamW (GradScaler unscales fp32 gradients only,
+and PyTorch has no optimizer with fp32 masters for fp16 parameters: tests/test_fp16.py); FSDP2's
+ShardedGradScaler; GradScaler for one process. Every run uses find_unused; FSDP2 reduce-scatters
+zeros for a parameter its rank did not reach, and the loop drops the gradient of one no rank reached (the
 reference knows which), as DDP's None: so every run has one semantics, the design's.
 
 Cost: starting ranks is most of it, so one launch of `world` ranks runs several cases
@@ -44,14 +48,24 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # 
 import hypothesis  # noqa: E402
 
 from scripts.perf import ring_collectives  # noqa: E402
+from scripts.runs import FP16_LESSONS  # noqa: E402
 from lessonkit import optimizers  # noqa: E402
+from lessonkit.loss_scale import LossScaler  # noqa: E402
 from fuzz_models import global_batch, make_model, micro_batches, routing_slots  # noqa: E402
 import harness  # noqa: E402
-from lessons import adamw, build, replicated_optimizer  # noqa: E402
+from lessons import Scaled, adamw, build, replicated_optimizer  # noqa: E402
 from tolerances import (FUZZ_BF16_ADAM_EPS, FUZZ_BF16_LOSS_ATOL, FUZZ_BF16_PYTORCH_SPREAD,  # noqa: E402
-                        FUZZ_BF16_UPDATE_RTOL, FUZZ_TOL)
+                        FUZZ_BF16_UPDATE_RTOL, FUZZ_FP16_ADAM_EPS, FUZZ_FP16_LOSS_ATOL, FUZZ_FP16_UPDATE_RTOL,
+                        FUZZ_TOL)
 
 LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08")
+# the lessons an fp16 case runs: those that take --precision fp16 (scripts/runs.FP16_LESSONS: all;
+# their counterparts scale with torch.amp.GradScaler, FSDP2's with ShardedGradScaler)
+FP16 = tuple(name[:2] for name in FP16_LESSONS)
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 2-byte precisions: parameters, gradients
+# per 2-byte precision: (its significant bits, tolerances.FUZZ_*'s update and loss bounds, AdamW's eps)
+BOUNDS = {"bf16": (8, FUZZ_BF16_UPDATE_RTOL, FUZZ_BF16_LOSS_ATOL, FUZZ_BF16_ADAM_EPS),
+          "fp16": (11, FUZZ_FP16_UPDATE_RTOL, FUZZ_FP16_LOSS_ATOL, FUZZ_FP16_ADAM_EPS)}
 FSDP2 = ("fsdp2", "fsdp2_noreshard")
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, adamw(1e-2)),
               "sgd": (torch.optim.SGD, dict(lr=0.5)),
@@ -59,18 +73,34 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, adamw(1e-2)),
 
 
 def optimizer(case):
-    """(optimizer_class, optimizer_kwargs) of a case; in bf16 AdamW's eps is FUZZ_BF16_ADAM_EPS
-    (tolerances.py says why)."""
+    """(optimizer_class, optimizer_kwargs) of a case; in bf16 and fp16 AdamW's eps is
+    FUZZ_BF16_ADAM_EPS, FUZZ_FP16_ADAM_EPS (tolerances.py says why)."""
     opt_class, kwargs = OPTIMIZERS[case["optimizer"]]
-    if case["precision"] == "bf16" and opt_class is torch.optim.AdamW:
-        kwargs = {**kwargs, "eps": FUZZ_BF16_ADAM_EPS}
+    if case["precision"] in BOUNDS and opt_class is torch.optim.AdamW:
+        kwargs = {**kwargs, "eps": BOUNDS[case["precision"]][3]}
     return opt_class, kwargs
 
 
+def loss_scaler(name, case):
+    """fp16: the run's loss scaler, with the case's GradScaler arguments: the lessons' own
+    (lessonkit's LossScaler), FSDP2's ShardedGradScaler (which all-reduces its found-inf flag, as
+    the lessons' does), torch.amp.GradScaler for DDP and for the single process: PyTorch's, not the
+    lessons', so that a fault of LossScaler's (a scale not backed off, a step not skipped) cannot
+    hide by being the reference's too. None otherwise."""
+    if case["precision"] != "fp16":
+        return None
+    if name in LESSONS:
+        return LossScaler("cpu", **case["loss_scale"])
+    if name in FSDP2:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler("cpu", **case["loss_scale"])
+    return torch.amp.GradScaler("cpu", **case["loss_scale"])
+
+
 def counterpart(lesson, case):
-    if lesson in ("01", "02", "03"):
-        return "ddp"
-    if lesson == "04":  # ZeroRedundancyOptimizer steps bf16 parameters in bf16 (no master weights)
+    if lesson in ("01", "02", "03") or lesson == "04" and case["precision"] == "fp16":
+        return "ddp"  # (04 in fp16: DDP and GradScaler, as tests/test_fp16.py; SKIPS says why)
+    if lesson == "04":  # ZeroRedundancyOptimizer steps bf16 (fp16) parameters in 2 bytes (no master weights)
         return "zero_redundancy" if case["precision"] == "fp32" else "fsdp2_noreshard"
     # (07: FSDP2's results are its offload's; 08: FSDP2's are its HSDP's, the same sums regrouped)
     return "fsdp2_noreshard" if lesson == "05" else "fsdp2"
@@ -82,6 +112,25 @@ def counterpart(lesson, case):
 VOCABS, WIDTHS, HIDDEN, EXPERT = (5, 7, 11, 13), (3, 1, 2, 5, 7), (3, 0, 1, 5, 7, 11), (3, 1, 2, 5)
 # bucket caps (MB) from one element per bucket to one bucket for the whole model (~1-20 KB)
 BUCKET_MB = (25.0, 1e-6, 4e-5, 4e-4, 4e-3)
+# fp16's loss scalers, as GradScaler's arguments: its defaults (2^16, halved after an overflow,
+# doubled after 2000 clean steps); 2^8, doubled after every clean step (here no gradient comes
+# near fp16's 65504: every run steps every step, and the scale grows); 2^40, which overflows in
+# every run on every rank (every logit's gradient here is above 2^-24, so x 2^40 beyond 65504),
+# backing off to 2^8: the first step skipped everywhere (parameters, moments and AdamW's step
+# count unchanged), then trained.
+LOSS_SCALES = ({}, {"init_scale": 2.0 ** 8, "growth_interval": 1},
+               {"init_scale": 2.0 ** 40, "backoff_factor": 2.0 ** -32})
+SKIPS_AT = {2.0 ** 8: [], 2.0 ** 40: [0]}  # by the initial scale, the steps every run must skip (else unknown)
+# SKIPS. Under GradScaler's defaults these small models' gradients (O(1), few tokens, x 2^16) sit
+# at fp16's overflow, and where a gradient overflows depends on the recipe, each correct: a rank's
+# gradient (the mean of fewer tokens) overflows where the whole batch's does not; 01-04 (and DDP)
+# round their fp32 sum of micro-steps into the fp16 gradient before dividing by N, 05 (and FSDP2)
+# reduce-scatter each micro-step and sum in fp32. (Measured: 13 of 38 such cases had runs skip
+# different steps, each lesson the same as its counterpart.) So in fp16 a run is compared with
+# one process, and a lesson with its counterpart, only where the two skipped the same steps, and a
+# lesson that skipped steps neither skipped fails (where its counterpart ran: FSDP2 cannot run
+# every case for 06-08); its ranks must skip the same (replicas differ). With 2^8 and 2^40 every
+# run must skip what SKIPS_AT says, one process and PyTorch's included.
 
 
 def block_spec(hidden, frozen, routed, experts):
@@ -114,7 +163,7 @@ def route_bits(chunks):
 
 
 @st.composite
-def cases(draw, world=None):
+def cases(draw, world=None, fp16=True):
     world = world or draw(st.integers(1, 4))
     spec, accum, steps = draw(specs()), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     slots = len(routing_slots(spec))
@@ -136,10 +185,14 @@ def cases(draw, world=None):
     # 08's grid: G ranks per shard group, a divisor of the world size (on torch's collectives or
     # the ring, which carries 08's sub-groups too)
     case["shard_group"] = draw(st.sampled_from([g for g in range(1, world + 1) if world % g == 0]))
+    # fp16 (drawn last, as above): half of the 2-byte cases (fp16=False: none, when no lesson
+    # asked for takes fp16), with a loss scaler's arguments (LOSS_SCALES)
+    if fp16 and case["precision"] == "bf16" and draw(st.booleans()):
+        case["precision"], case["loss_scale"] = "fp16", draw(st.sampled_from(LOSS_SCALES))
     return case
 # Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2
-# shards each rank's own weights; tests/toy.py covers the lessons), fp16 (no lesson's adapter),
-# a MixedPrecisionPolicy's output_dtype (06 refuses it).
+# shards each rank's own weights; tests/toy.py covers the lessons), a MixedPrecisionPolicy's
+# output_dtype (06 refuses it).
 
 
 def unit_passes(case, step, chunk):
@@ -192,7 +245,9 @@ def partly_used(case):
 
 def runs_of(case, lessons=LESSONS):
     """The runs a case needs: the lessons and their counterparts (FSDP2 where it can run; 06
-    claims more: a unit some ranks skip is gathered and reduce-scattered there all the same)."""
+    claims more: a unit some ranks skip is gathered and reduce-scattered there all the same).
+    fp16: the lessons that take it (FP16) only."""
+    lessons = [x for x in lessons if case["precision"] != "fp16" or x in FP16]
     names = [counterpart(x, case) for x in lessons] + list(lessons)
     return [x for x in dict.fromkeys(names) if x != "fsdp2" or fsdp2_can_run(case)]
 
@@ -200,22 +255,26 @@ def runs_of(case, lessons=LESSONS):
 # ----------------------------------------------------------------------------- in a spawned rank
 def reference(case):
     """Single process, the whole batch each step, the same model, optimizer and clipping: the
-    answer every lesson must give. Also which trainable parameters no row reached, per step."""
-    bf16 = case["precision"] == "bf16"
-    model = make_model(case["model"], case["seed"], bf16_params=bf16)  # bf16: fp32 masters, as 01-05
+    answer every lesson must give. Also which trainable parameters no row reached, per step.
+    fp16: with torch.amp.GradScaler (loss_scaler says why not the lessons' LossScaler)."""
+    model = make_model(case["model"], case["seed"], dtype=LOW.get(case["precision"]))  # fp32 masters, as 01-05
     opt_class, opt_kwargs = optimizer(case)
     groups = optimizers.decay_groups(model, case["weight_decay"])
     opt = replicated_optimizer(groups, case["clip"], opt_class, opt_kwargs)
+    scaler = Scaled(loss_scaler("reference", case))  # (fp32, bf16: the identity)
     losses, unused = [], []
     for step in range(case["steps"]):
         loss = model(*global_batch(case, step))
-        loss.backward()
+        scaler.scale(loss).backward()
         unused.append({n for n, p in model.named_parameters() if p.requires_grad and p.grad is None})
-        opt.step()
-        for p in model.parameters():
-            p.grad = None  # a parameter no row reaches next step keeps None: skipped, as in DDP
+        scaler.step(opt)
+        # every gradient dropped: a parameter no row reaches next step keeps None, skipped as in DDP.
+        # By opt.zero_grad(), not p.grad = None: after a step GradScaler skipped (opt.step() never
+        # ran) MixedPrecisionAdamW still holds its fp32 casts of them, which only zero_grad drops
+        opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, **held_weights(model, opt, model.named_parameters()), "unused": unused}
+    return {"losses": losses, **held_weights(model, opt, model.named_parameters()), "unused": unused,
+            "skipped": scaler.skipped}
 
 
 def train(case, name, unused):
@@ -223,16 +282,16 @@ def train(case, name, unused):
     tests/lessons.py; losses (the global mean per step) and the full parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     rank = dist.get_rank()
-    bf16 = case["precision"] == "bf16"
-    sharded_fp32 = name in FSDP2 or name in ("06", "07")  # fp32 shards, computing in bf16 by a policy
-    model = make_model(case["model"], case["seed"], bf16_params=bf16 and not sharded_fp32)
+    low = LOW.get(case["precision"])  # bf16, fp16; None in fp32
+    sharded_fp32 = name in FSDP2 or name in ("06", "07", "08")  # fp32 shards, computing in 2 bytes by a policy
+    model = make_model(case["model"], case["seed"], dtype=None if sharded_fp32 else low)
     opt_class, opt_kwargs = optimizer(case)
     kw = dict(grad_clip=case["clip"], weight_decay=case["weight_decay"], bucket_mb=case["bucket_mb"],
               find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
               layout=case.get("layout", "even") if case.get("collectives", "torch") == "torch" else "even",
-              shard_group=case.get("shard_group"))
-    if sharded_fp32 and bf16:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # as 06's main()
+              shard_group=case.get("shard_group"), loss_scaler=loss_scaler(name, case))
+    if sharded_fp32 and low is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low)  # as 06's main()
     # --collectives ring for the lessons (not the counterparts: FSDP2 calls dist's functions too)
     ring_collectives.use(case.get("collectives", "torch") if name in LESSONS else "torch")
     trainer = build(name, model, **kw)
@@ -253,17 +312,19 @@ def train(case, name, unused):
         dist.all_reduce(loss)
         losses.append(loss.item() / case["world"])
     ring_collectives.use("torch")
+    skipped = trainer.scaler.skipped  # fp16: the steps its loss scaler skipped
     if name in LESSONS[:3] + ("ddp",):  # the optimizer's fp32 master weights, as the reference's
-        return {"losses": losses, **held_weights(model, trainer.opt, trainer.full_parameters().items())}
-    masters = set() if bf16 and not sharded_fp32 else None  # 04, 05: bf16 parameters only
-    return {"losses": losses, "params": trainer.full_parameters(), "masters": masters}
+        return {"losses": losses, **held_weights(model, trainer.opt, trainer.full_parameters().items()),
+                "skipped": skipped}
+    masters = set() if low is not None and not sharded_fp32 else None  # 04, 05: 2-byte parameters only
+    return {"losses": losses, "params": trainer.full_parameters(), "masters": masters, "skipped": skipped}
 
 
 def held_weights(model, opt, named):
     """{"params": {name: fp32 tensor}, "masters": the names whose values are fp32 master weights,
-    None: all are}. A MixedPrecisionAdamW (the reference's, 01-03's, DDP's) holds bf16 parameters
-    and fp32 masters of the trainable ones: those are what it trains. 06 and FSDP2 hold fp32
-    shards (all masters); 04 and 05 show only their bf16 parameters (no masters)."""
+    None: all are}. A MixedPrecisionAdamW (the reference's, 01-03's, DDP's) holds bf16 (fp16)
+    parameters and fp32 masters of the trainable ones: those are what it trains. 06 and FSDP2
+    hold fp32 shards (all masters); 04 and 05 show only their 2-byte parameters (no masters)."""
     params = {n: p.detach().float().clone() for n, p in named}
     if not getattr(opt, "mixed", False):
         return {"params": params, "masters": None}
@@ -400,43 +461,51 @@ def _why_dead(out_dir, procs, c, timed_out):
 
 
 # ----------------------------------------------------------------------------- checks, in the parent
-def mismatch(got, want, case, init, loss_atol=FUZZ_BF16_LOSS_ATOL):
-    """Why run `got` does not match `want` (tolerances.FUZZ_*), or None. In bf16 a parameter is
-    compared as fp32 master weights where both runs hold them, else as bf16 working copies (the
-    fp32 values rounded), each element less one bf16 ulp."""
+def mismatch(got, want, case, init, loss_atol=None):
+    """Why run `got` does not match `want` (tolerances.FUZZ_*), or None. In bf16 (fp16) a parameter
+    is compared as fp32 master weights where both runs hold them, else as bf16 (fp16) working
+    copies (the fp32 values rounded), each element less one ulp of that precision."""
     g, w = got["params"], want["params"]
     if g.keys() != w.keys():
         return f"parameters {sorted(g.keys() ^ w.keys())} in one run only"
     losses_g, losses_w = torch.tensor(got["losses"]), torch.tensor(want["losses"])
     if case["precision"] == "fp32":
-        if not torch.allclose(losses_g, losses_w, **FUZZ_TOL):
+        if not torch.allclose(losses_g, losses_w, **FUZZ_TOL):  # (a NaN is close to nothing)
             return f"losses {got['losses']} vs {want['losses']}"
         for n in w:
             if not torch.allclose(g[n], w[n], **FUZZ_TOL):
                 return (f"{n}: max |diff| {(g[n] - w[n]).abs().max().item():.3g} "
                         f"(|want| max {w[n].abs().max().item():.3g})")
         return None
-    if (losses_g - losses_w).abs().max() > loss_atol:
-        return f"losses {got['losses']} vs {want['losses']} (bf16)"
+    p = case["precision"]
+    _, update_rtol, default_loss_atol, _ = BOUNDS[p]
+    if not (losses_g - losses_w).abs().max() <= (loss_atol or default_loss_atol):  # (not >: a NaN fails)
+        return f"losses {got['losses']} vs {want['losses']} ({p})"
     for n in w:
         both = all(r["masters"] is None or n in r["masters"] for r in (got, want))
-        gn, wn, i0 = (g[n], w[n], init[n]) if both else (bf16(g[n]), bf16(w[n]), bf16(init[n]))
-        # less one bf16 ulp per element: a rounding flip, or a difference the bf16 weight cannot show
-        diff = ((gn - wn).abs() - ulp(bf16(wn))).clamp(min=0)
+        gn, wn, i0 = (g[n], w[n], init[n]) if both else (rounded(g[n], p), rounded(w[n], p), rounded(init[n], p))
+        # less one ulp per element: a rounding flip, or a difference the 2-byte weight cannot show
+        diff = ((gn - wn).abs() - ulp(rounded(wn, p), p)).clamp(min=0)
         update, error = (wn - i0).norm().item(), diff.norm().item()
-        if error > FUZZ_BF16_UPDATE_RTOL * update + FUZZ_TOL["atol"]:
+        if not error <= update_rtol * update + FUZZ_TOL["atol"]:  # (a NaN or an inf fails)
             return (f"{n}: |diff| {error:.3g}, the update {update:.3g} "
-                    f"(less one bf16 ulp each, {'fp32 masters' if both else 'bf16 working copies'})")
+                    f"(less one {p} ulp each, {'fp32 masters' if both else f'{p} working copies'})")
     return None
 
 
-def bf16(t):
-    return t.to(torch.bfloat16).float()
+def rounded(t, precision="bf16"):
+    """t rounded to bf16 (fp16), back in fp32."""
+    return t.to(LOW[precision]).float()
 
 
-def ulp(t):
-    """The spacing of bf16 values at each element of t (bf16-valued): 2^(exponent - 7)."""
-    return torch.ldexp(torch.ones_like(t), torch.frexp(t).exponent - 8).where(t != 0, torch.zeros_like(t))
+def ulp(t, precision="bf16"):
+    """The spacing of bf16 (fp16) values at each element of t (valued in that precision): with b
+    significant bits (bf16 8, fp16 11), 2^(exponent - b) for t = m 2^exponent, 0.5 <= |m| < 1;
+    fp16's subnormals (below 2^-14) are 2^-24 apart whatever their exponent."""
+    spacing = torch.ldexp(torch.ones_like(t), torch.frexp(t).exponent - BOUNDS[precision][0])
+    if precision != "fp16":
+        return spacing.where(t != 0, torch.zeros_like(t))  # (bf16's smallest spacing is fp32's)
+    return spacing.clamp(min=2.0 ** -24).where(t != 0, torch.full_like(t, 2.0 ** -24))
 
 
 def first_line(error):
@@ -450,9 +519,17 @@ def findings(case, ranks, lessons=LESSONS):
     init = {n: p.detach() for n, p in make_model(case["model"], case["seed"]).named_parameters()}
     out = []
     ran = [x for x in runs_of(case, lessons)]
-    loss_atol = FUZZ_BF16_LOSS_ATOL  # in bf16, at least twice as far as PyTorch's own runs (tolerances.py)
+    skipped = {name: ranks[0][name].get("skipped", []) for name in ran if "skipped" in ranks[0][name]}
+    skipped["reference"] = ref.get("skipped", [])
+    must = SKIPS_AT.get(case.get("loss_scale", {}).get("init_scale")) if case["precision"] == "fp16" else None
+    for name, steps in skipped.items():  # every run, one process and PyTorch's included
+        if must is not None and steps != must:
+            out.append((name, "skipped steps", f"{steps}, where its first scale makes every run skip {must}"))
+    # in bf16 (fp16), at least twice as far as PyTorch's own runs (tolerances.py)
+    loss_atol = BOUNDS[case["precision"]][2] if case["precision"] in BOUNDS else None
     for name in ran:
-        if name not in LESSONS and case["precision"] == "bf16" and not {"error", "crashed"} & set(ranks[0][name]):
+        if (name not in LESSONS and case["precision"] in BOUNDS and not {"error", "crashed"} & set(ranks[0][name])
+                and skipped[name] == skipped["reference"]):
             spread = max(abs(a - b) for a, b in zip(ranks[0][name]["losses"], ref["losses"]))
             loss_atol = max(loss_atol, FUZZ_BF16_PYTORCH_SPREAD * spread)
     for name in ran:
@@ -469,16 +546,25 @@ def findings(case, ranks, lessons=LESSONS):
                 if not torch.equal(p, ranks[r][name]["params"][n]):
                     out.append((name, "replicas differ", f"rank {r} vs rank 0: {n}"))
                     break
-        why = mismatch(ranks[0][name], ref, case, init, loss_atol)
-        if why:
-            out.append((name, "vs single process", why))
+            if ranks[r][name].get("skipped") != ranks[0][name].get("skipped"):
+                out.append((name, "replicas differ", f"rank {r} skipped steps {ranks[r][name]['skipped']}, "
+                                                     f"rank 0 {ranks[0][name]['skipped']}"))
+        # fp16: runs are held to runs that skipped the same steps (SKIPS says why), one process included
+        if skipped.get(name) == skipped["reference"]:
+            why = mismatch(ranks[0][name], ref, case, init, loss_atol)
+            if why:
+                out.append((name, "vs single process", why))
         if name in LESSONS:
             other = counterpart(name, case)
             ran_well = other in ranks[0] and not {"error", "crashed"} & set(ranks[0][other])
-            if ran_well and not any(f[0] == other for f in out):
+            alike = ran_well and skipped.get(name) == skipped.get(other)
+            if alike and not any(f[0] == other for f in out):
                 why = mismatch(ranks[0][name], ranks[0][other], case, init, loss_atol)
                 if why:
                     out.append((name, f"vs {other}", why))
+            if skipped.get(name) != skipped["reference"] and ran_well and not alike:  # (no counterpart: unchecked)
+                out.append((name, "skipped steps", f"{skipped[name]}, where one process skipped "
+                            f"{skipped['reference']} and {other} {skipped.get(other, '(did not run)')}"))
     return out
 
 
@@ -502,7 +588,12 @@ def reproducer(case, lessons=LESSONS):
 def describe(case):
     m = case["model"]
     experts = sum(len(b["experts"]) for b in m["blocks"]) + bool(m["root_expert"])
-    return (f"world {case['world']} accum {case['accum']} {case['precision']} {case['optimizer']} clip {case['clip']} "
+    scale = ""  # fp16's loss scaler: "(init 2^40, backoff 2^-32)"
+    if "loss_scale" in case:
+        words = [f"growth every {v}" if k == "growth_interval" else f"{k.split('_')[0]} 2^{math.log2(v):g}"
+                 for k, v in case["loss_scale"].items()]
+        scale = " (" + (", ".join(words) or "GradScaler's defaults") + ")"
+    return (f"world {case['world']} accum {case['accum']} {case['precision']}{scale} {case['optimizer']} clip {case['clip']} "
             f"wd {case['weight_decay']} bucket {case['bucket_mb']} MB{', ring' if case.get('collectives') == 'ring' else ''}"
             f"{', 07 uneven' if case.get('layout') == 'uneven' and case.get('collectives') != 'ring' else ''}; "
             f"{len(m['blocks'])} blocks, {experts} experts"
@@ -567,13 +658,15 @@ def fuzz(examples, seed, batch, lessons, shrink, log=print):
     it (one case per launch), printing one line per attempt; it raises with the smallest."""
     failures, seen, start = [], set(), time.monotonic()
     per = 1 if shrink else batch
+    fp16 = any(x in FP16 for x in lessons)  # (else no fp16 case: none of these lessons would run it)
 
     @hypothesis.seed(seed)
     @settings(max_examples=math.ceil(examples / per) * (1 if shrink else 3),  # (room for repeats)
               database=None, deadline=None, print_blob=False,
               phases=[Phase.generate, Phase.shrink] if shrink else [Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(st.integers(1, 4).flatmap(lambda w: st.lists(cases(w), min_size=per, max_size=per, unique_by=json.dumps)))
+    @given(st.integers(1, 4).flatmap(lambda w: st.lists(cases(w, fp16), min_size=per, max_size=per,
+                                                        unique_by=json.dumps)))
     def one_launch(batch_cases):
         if not shrink:  # each case once, and no more than asked for
             fresh = []
@@ -605,7 +698,8 @@ def fuzz(examples, seed, batch, lessons, shrink, log=print):
             drawn_cases = [json.loads(c) for c in seen]
             log(f"of them: {sum(map(partly_used, drawn_cases))} with a module used on some ranks and not others "
                 f"in a step, {sum(not fsdp2_can_run(c) for c in drawn_cases)} that FSDP2 cannot run "
-                "(06: one process only)")
+                f"(06: one process only), {sum(c['precision'] == 'fp16' for c in drawn_cases)} in fp16 "
+                f"(lessons {','.join(x for x in lessons if x in FP16) or 'none of these'})")
         if failures:
             log("kinds of failure:\n" + summary(failures))
     return failures

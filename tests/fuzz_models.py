@@ -104,16 +104,17 @@ def n_slots(spec):
     return len(routing_slots(spec))
 
 
-def make_model(spec, seed, bf16_params=False):
-    """FuzzNet with the weights `seed` gives it. bf16_params: as common.build_model's bf16, the
-    parameters in bf16 with their fp32 initial weights kept (`p.fp32_init`) for the optimizer's
-    master weights (01-05); 06 and FSDP2 instead take the fp32 model and a MixedPrecisionPolicy."""
+def make_model(spec, seed, dtype=None):
+    """FuzzNet with the weights `seed` gives it. dtype (torch.bfloat16 or torch.float16): as
+    common.build_model's bf16 and fp16, the parameters in that dtype with their fp32 initial
+    weights kept (`p.fp32_init`) for the optimizer's master weights (01-05); 06 and FSDP2 instead
+    take the fp32 model and a MixedPrecisionPolicy."""
     torch.manual_seed(seed)
     model = FuzzNet(spec)
-    if bf16_params:
+    if dtype not in (None, torch.float32):
         for p in model.parameters():
             p.fp32_init = p.detach().clone()
-        model.to(torch.bfloat16)
+        model.to(dtype)
     return model
 
 

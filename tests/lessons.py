@@ -3,7 +3,7 @@
 Every entry builds a trainer around a plain nn.Module whose forward(x, y) returns the loss:
     trainer.train_step(micro_batches) -> this rank's loss for the step (mean of micro-steps)
     trainer.full_parameters()         -> {name: full fp32 tensor}, identical on every rank
-Tests use nothing else, so a lesson (or a student's version of it) plugs in here only. Which
+(fp16: build's loss_scaler= puts a loss scaler in the loop, Scaled.) Tests use nothing else, so a lesson (or a student's version of it) plugs in here only. Which
 files: graded.load_lesson, from this checkout or from the student edition named by DP_LESSONS.
 """
 import contextlib
@@ -24,8 +24,9 @@ def _named_full(module):
 class _Replicated:
     """01-03 and PyTorch's DDP: every rank holds the whole model and the whole optimizer."""
 
-    def __init__(self, wrapper, module, grad_clip, lr, weight_decay=0.0, optimizer_class=None, optimizer_kwargs=None):
-        self.wrapper, self.module = wrapper, module
+    def __init__(self, wrapper, module, grad_clip, lr, weight_decay=0.0, optimizer_class=None, optimizer_kwargs=None,
+                 scaler=None):
+        self.wrapper, self.module, self.scaler = wrapper, module, scaler or Scaled()
         self.opt = replicated_optimizer(optimizers.decay_groups(module, weight_decay), grad_clip,
                                         optimizer_class, optimizer_kwargs or adamw(lr))
 
@@ -35,11 +36,11 @@ class _Replicated:
             last = i == len(micro_batches) - 1
             with self._sync_context(last):
                 loss = self.wrapper(x, y) / len(micro_batches)
-                loss.backward()
+                self.scaler.scale(loss).backward()
             total += loss.item()
         if hasattr(self.wrapper, "all_reduce_gradients"):  # 01: the loop calls it after backward
             self.wrapper.all_reduce_gradients()
-        self.opt.step()
+        self.scaler.step(self.opt)
         self.opt.zero_grad()
         return total
 
@@ -68,6 +69,49 @@ def zero3_full_parameters(z):
     return {name: full[p] for name, p in z.module.named_parameters()}
 
 
+# ----------------------------------------------------------------------------- fp16: loss scaling
+class Scaled:
+    """The loop's loss scaler (fp16), any of three, or none (the identity): lessonkit's LossScaler
+    (the lessons'), torch.amp.GradScaler (DDP's, one process's) or FSDP2's ShardedGradScaler (a
+    GradScaler). scale(loss); step(opt, clip) unscales, clips (clip: a callable, or None when the
+    optimizer clips itself), steps unless some rank found an inf or NaN, and updates the scale.
+    `skipped`: the steps it skipped, 0-based, read the one way all three show it: the scale went
+    down at that step's update."""
+
+    def __init__(self, scaler=None):
+        self.scaler, self.skipped, self.steps = scaler, [], 0
+
+    def scale(self, loss):
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def step(self, opt, clip=None):
+        s = self.scaler
+        if s is None:
+            if clip:
+                clip()
+            return opt.step()
+        before = s.get_scale()
+        if isinstance(s, torch.amp.GradScaler) and hasattr(opt, "master_grads"):
+            # GradScaler unscales the .grad of opt.param_groups and refuses fp16 ones: a
+            # MixedPrecisionAdamW's param_groups are its fp32 masters, so the fp16 gradients are
+            # cast onto them first (tests/test_fp16.py drives DDP the same way)
+            opt.master_grads()
+        if clip and hasattr(s, "unscale_"):  # PyTorch's recipe: unscale, clip the true gradients, step
+            s.unscale_(opt)
+            clip()
+            s.step(opt)
+        elif clip:  # (a LossScaler without unscale_: the same recipe by hand)
+            if s.unscale([p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]):
+                clip()
+                opt.step()
+        else:  # (the kit's optimizers unscale inside step, before their own clipping: loss_scale.py)
+            s.step(opt)
+        s.update()
+        if s.get_scale() < before:
+            self.skipped.append(self.steps)
+        self.steps += 1
+
+
 def adamw(lr):
     return dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
@@ -90,20 +134,23 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
     weight_decay: AdamW's, in optimizers.decay_groups (matrices and embeddings only), as main()."""
     wd = weight_decay
     opt_kw = {k: kw[k] for k in ("optimizer_class", "optimizer_kwargs") if k in kw}  # default: AdamW at lr
+    # fp16: kw loss_scaler, the loop's (Scaled says which kinds); the trainer's .scaler.skipped then
+    # lists the steps it skipped
+    scaler = Scaled(kw.get("loss_scaler"))
     if lesson == "ddp":
         ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_mb,
                                                   find_unused_parameters=kw.get("find_unused", False))
-        return _Replicated(ddp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
+        return _Replicated(ddp, module, grad_clip, lr, weight_decay=wd, scaler=scaler, **opt_kw)
     if lesson == "01":
         dp = load_lesson("01_vanilla_dp").VanillaDP(module, find_unused_parameters=kw.get("find_unused", False))  # averages when called
-        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
+        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, scaler=scaler, **opt_kw)
     if lesson == "02":
         dp = load_lesson("02_async_allreduce").AsyncAllReduceDP(module, find_unused_parameters=kw.get("find_unused", False))
-        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
+        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, scaler=scaler, **opt_kw)
     if lesson == "03":
         dp = load_lesson("03_buckets").BucketedDP(module, bucket_cap_mb=bucket_mb,
                                                   find_unused_parameters=kw.get("find_unused", False))
-        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, **opt_kw)
+        return _Replicated(dp, module, grad_clip, lr, weight_decay=wd, scaler=scaler, **opt_kw)
     if lesson in ("06", "07", "08"):  # as FSDP2: the caller's optimizer over the shards, clipping by the model
         strategy, extra = load_lesson("06_zero3").ZeRO3, {}  # (06 first: 07 and 08 import it)
         if lesson == "07":
@@ -120,13 +167,11 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
                                                            **kw.get("optimizer_kwargs", adamw(lr)))
 
         def step():
-            if grad_clip > 0:
-                z.clip_grad_norm_(grad_clip)
-            opt.step()
+            scaler.step(opt, clip=(lambda: z.clip_grad_norm_(grad_clip)) if grad_clip > 0 else None)
             opt.zero_grad()
-        return _FullySharded(z, step=step, full_parameters=lambda: zero3_full_parameters(z), opt=opt)
+        return _FullySharded(z, step=step, full_parameters=lambda: zero3_full_parameters(z), opt=opt, scaler=scaler)
     if lesson in ("fsdp2", "fsdp2_offload", "fsdp2_hsdp"):  # offload: CPUOffloadPolicy, as 07; hsdp: 08's grid
-        return _fsdp2(module, grad_clip, lr, wd, offload=lesson == "fsdp2_offload",
+        return _fsdp2(module, grad_clip, lr, wd, scaler, offload=lesson == "fsdp2_offload",
                       hsdp=lesson == "fsdp2_hsdp", **kw)
     if lesson in ("04", "05"):  # kw optimizer_class / optimizer_kwargs: e.g. SGD, which sees gradient scale
         opt_class, opt_kwargs = kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs", adamw(lr))
@@ -134,16 +179,16 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
             opt = load_lesson("04_zero1").ZeRO1Optimizer(optimizers.decay_groups(module, wd), opt_class, grad_clip=grad_clip,
                                                          find_unused_parameters=kw.get("find_unused", False),
                                                          **opt_kwargs)
-            return _ShardedOptimizer(module, opt)
+            return _ShardedOptimizer(module, opt, scaler=scaler)
         opt = load_lesson("05_zero2").ZeRO2Optimizer(optimizers.decay_groups(module, wd), opt_class, bucket_cap_mb=bucket_mb,
                                                      bucket_order=module.parameters(),
                                                      find_unused_parameters=kw.get("find_unused", False),
                                                      grad_clip=grad_clip, **opt_kwargs)
-        return _ShardedOptimizer(module, opt)  # its reduce-scatters end inside backward
+        return _ShardedOptimizer(module, opt, scaler=scaler)  # its reduce-scatters end inside backward
     if lesson == "zero_redundancy":
         return _zero_redundancy(module, grad_clip, lr, bucket_mb, kw.get("find_unused", False), wd, **opt_kw)
     if lesson == "fsdp2_noreshard":
-        return _fsdp2_noreshard(module, grad_clip, lr, wd, **kw)
+        return _fsdp2_noreshard(module, grad_clip, lr, wd, scaler, **kw)
     raise KeyError(f"no adapter for lesson {lesson!r}")
 
 
@@ -164,14 +209,15 @@ def sharding_units(module):
 class _FullySharded:
     """06 and PyTorch's FSDP2: parameters, gradients and optimizer state all sharded."""
 
-    def __init__(self, model, step, full_parameters, opt=None):
+    def __init__(self, model, step, full_parameters, opt=None, scaler=None):
         self.model, self.step, self.full_parameters, self.opt = model, step, full_parameters, opt
+        self.scaler = scaler or Scaled()
 
     def train_step(self, micro_batches):
         total = 0.0
         for x, y in micro_batches:
             loss = self.model(x, y) / len(micro_batches)
-            loss.backward()  # each micro-step reduce-scatters: no full gradient is ever kept
+            self.scaler.scale(loss).backward()  # each micro-step reduce-scatters: no full gradient is ever kept
             total += loss.item()
         self.step()
         return total
@@ -188,7 +234,7 @@ def _fsdp2_options(module, kw):
     return kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs")
 
 
-def _fsdp2(module, grad_clip, lr, wd, offload=False, hsdp=False, **kw):
+def _fsdp2(module, grad_clip, lr, wd, scaler, offload=False, hsdp=False, **kw):
     """PyTorch's own ZeRO-3: fully_shard each unit, then the root, on an explicit CPU mesh
     (offload: with CPUOffloadPolicy, unpinned: no GPU here; hsdp: a 2-D R x G mesh, kw
     shard_group = G, FSDP2's HSDP: replicate over its first dimension, shard over its second)."""
@@ -207,14 +253,12 @@ def _fsdp2(module, grad_clip, lr, wd, offload=False, hsdp=False, **kw):
     opt = opt_class(optimizers.decay_groups(module, wd), **(opt_kwargs or adamw(lr)))
 
     def step():
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], grad_clip)
-        opt.step()
+        scaler.step(opt, clip=_clipper(module, grad_clip))
         opt.zero_grad()
 
     def full_parameters():  # the parameters are DTensor shards
         return {n: p.full_tensor().detach().float().clone() for n, p in module.named_parameters()}
-    return _FullySharded(module, step, full_parameters, opt=opt)
+    return _FullySharded(module, step, full_parameters, opt=opt, scaler=scaler)
 
 
 # ----------------------------------------------------------------------------- sharded optimizer (04, 05)
@@ -222,12 +266,14 @@ class _ShardedOptimizer:
     """04, 05 and their PyTorch counterparts: the strategy is (or includes) the optimizer.
 
     before_step()     e.g. PyTorch's clipping, which ZeroRedundancyOptimizer does not do itself
+                      (None: the optimizer clips, as 04's and 05's do)
     sync(last)        a context per micro-step (DDP's no_sync on all but the last)
+    scaler            a Scaled (fp16)
     """
 
-    def __init__(self, model, opt, before_step=None, sync=None, full_parameters=None):
-        self.model, self.opt = model, opt
-        self.before_step = before_step or (lambda: None)
+    def __init__(self, model, opt, before_step=None, sync=None, full_parameters=None, scaler=None):
+        self.model, self.opt, self.scaler = model, opt, scaler or Scaled()
+        self.before_step = before_step
         self.sync = sync or (lambda last: contextlib.nullcontext())
         self._full = full_parameters
 
@@ -236,10 +282,9 @@ class _ShardedOptimizer:
         for i, (x, y) in enumerate(micro_batches):
             with self.sync(i == len(micro_batches) - 1):
                 loss = self.model(x, y) / len(micro_batches)
-                loss.backward()
+                self.scaler.scale(loss).backward()
             total += loss.item()
-        self.before_step()
-        self.opt.step()
+        self.scaler.step(self.opt, clip=self.before_step)
         self.opt.zero_grad()
         return total
 
@@ -267,7 +312,7 @@ def _zero_redundancy(module, grad_clip, lr, bucket_mb, find_unused, wd, optimize
                              sync=lambda last: contextlib.nullcontext() if last else ddp.no_sync())
 
 
-def _fsdp2_noreshard(module, grad_clip, lr, wd, **kw):
+def _fsdp2_noreshard(module, grad_clip, lr, wd, scaler, **kw):
     """PyTorch's ZeRO-2: FSDP2 keeping the parameters gathered between forward and backward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -276,7 +321,7 @@ def _fsdp2_noreshard(module, grad_clip, lr, wd, **kw):
     opt_class, opt_kwargs = _fsdp2_options(module, kw)
     opt = opt_class(optimizers.decay_groups(module, wd), **(opt_kwargs or adamw(lr)))
     # clip_grad_norm_ over DTensor gradient shards all-reduces the norm across ranks
-    return _ShardedOptimizer(module, opt, before_step=_clipper(module, grad_clip),
+    return _ShardedOptimizer(module, opt, before_step=_clipper(module, grad_clip), scaler=scaler,
                              full_parameters=lambda: {n: p.full_tensor().detach().float().clone()
                                                       for n, p in module.named_parameters()})
 

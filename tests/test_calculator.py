@@ -73,13 +73,30 @@ def test_largest_model_is_the_inverse(stage, world, memory):
     assert zero_calc.model_state_bytes(stage, psi, world) <= memory
 
 
-def test_stages_agree_with_the_lessons_theory():
-    # theory_memory (what every lesson's report holds) is the same formula, stage by stage (bf16)
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_stages_agree_with_the_lessons_theory(precision):
+    # theory_memory (what every lesson's report holds) is the same formula, stage by stage, in each
+    # precision the lessons take
     stage = {"vanilla_dp": 0, "async_allreduce": 0, "buckets": 0, "zero1": 1, "zero2": 2, "zero3": 3}
     for strategy, s in stage.items():
         for world in (1, 2, 4, 8):
-            assert theory.theory_memory(strategy, 106_240, world, "bf16")["total"] == \
-                pytest.approx(zero_calc.model_state_bytes(s, 106_240, world), rel=1e-12)
+            assert theory.theory_memory(strategy, 106_240, world, precision)["total"] == \
+                pytest.approx(zero_calc.model_state_bytes(s, 106_240, world, precision=precision), rel=1e-12)
+
+
+def test_precision_fp16_and_bf16_are_the_papers_fp32_splits_its_16_bytes_otherwise(capsys):
+    for stage in range(4):
+        paper = zero_calc.model_state_bytes(stage, 1e9, 8)  # (the paper's fp16, the default)
+        assert zero_calc.model_state_bytes(stage, 1e9, 8, precision="bf16") == paper
+    # fp32: 4 + 4 + 8 (no master copy): 16 bytes under DP and ZeRO-3, more kept whole under ZeRO-1 and 2
+    assert [zero_calc.model_state_bytes(s, 1e9, 8, precision="fp32") for s in range(4)] == \
+        [16e9, 1e9 * (8 + 8 / 8), 1e9 * (4 + 12 / 8), 16e9 / 8]
+    zero_calc.main(["--params", "7.5B", "--world", "64", "--precision", "fp32"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("Psi = 7.5B parameters, fp32: 4 + 4 + K bytes per parameter, K = 8")
+    assert out[-1].split() == ["64", "120", "60.9", "31.4", "1.88"]
+    with pytest.raises(ValueError, match="precision must be one of fp16, bf16, fp32"):
+        zero_calc.model_state_bytes(0, 1e9, 8, precision="fp8")
 
 
 def test_k_is_a_parameter():

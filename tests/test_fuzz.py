@@ -6,7 +6,7 @@ import pytest
 
 import fuzz
 
-SEED, PER_WORLD = 2025, 8  # 32 cases (make fuzz: 300); 8 since 08 and checkpointing joined each case
+SEED, PER_WORLD = 2025, 6  # 24 cases (make fuzz: 300): the suite's budget, as 07, 08, checkpointing and fp16 joined
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -2,6 +2,7 @@
 no GPU), so each way a GPU run can go wrong is put in one at a time. A NaN or an infinite loss
 at any step, runs of different lengths, a wrong or failed 00: each must make it exit 1.
 (tests/test_gpu_ready.py runs the real thing on gloo.)"""
+import json
 import math
 import os
 import sys
@@ -10,25 +11,28 @@ import pytest
 import torch
 
 from scripts.perf import gpu_check
-from scripts.runs import LESSONS  # noqa: F401 (the lessons of the other tools)
+from scripts.runs import FP16_LESSONS, LESSONS
 
 REF = [4.0, 3.9, 3.8, 3.7]  # the CPU reference's losses, and every faked run's unless told
 
 
-def report(losses):
-    """What row() reads of a lesson's report."""
+def report(losses, skipped=None):
+    """What row() reads of a lesson's report (and, given skipped, fp16's loss_scale)."""
     return {"losses": losses, "step_time_s": [0.2, 0.1, 0.1, 0.1], "config": {"global_batch": 8, "seq_len": 32},
             "memory": {"per_rank": [{"params": 1, "grads": 1, "optimizer": 1}], "theory": {"total": 3}},
-            "comm": {"overlap": None, "issued_ring_bytes_per_step": 0, "theory_ring_bytes_per_step": 0}}
+            "comm": {"overlap": None, "issued_ring_bytes_per_step": 0, "theory_ring_bytes_per_step": 0},
+            **({"loss_scale": {"skipped_steps": skipped}} if skipped is not None else {})}
 
 
 class FakeLaunch:
     """scripts.runs.launch as gpu_check calls it, answering from `losses` ({lesson: losses} or
     {"lesson precision": losses}, "resumed": 06's losses after the resume, "1 GPU": the one-GPU
-    reference's), `ring` (00's per-rank results, or an exception)."""
+    reference's), `ring` (00's per-rank results, or an exception), `skipped` (fp16's skipped
+    steps, {"lesson": steps}, the CPU reference as "CPU"; else none)."""
 
-    def __init__(self, losses=None, ring=None, fail=None):
+    def __init__(self, losses=None, ring=None, fail=None, skipped=None):
         self.losses, self.ring, self.fail, self.calls = losses or {}, ring, fail, []
+        self.skipped = skipped or {}
 
     def __call__(self, script, nproc, args=(), threads=1, env=None, **_):
         args = [str(a) for a in args]
@@ -39,9 +43,12 @@ class FakeLaunch:
                                "Traceback (most recent call last):\n  ...ChildFailedError")
         precision = args[args.index("--precision") + 1] if "--precision" in args else "fp32"
         losses = lambda name: self.losses.get(f"{name} {precision}", self.losses.get(name, REF))
+        scale = lambda name: self.skipped.get(name, []) if precision == "fp16" else None
         if script == "scripts.perf.sweep":
             worlds = args[args.index("--worlds") + 1:args.index("--lessons")]
-            return {"worlds": {w: {"reports": {name: report(losses(name)) for name in gpu_check.CHECKED}} for w in worlds}}
+            names = args[args.index("--lessons") + 1:]
+            names = names[:next((i for i, x in enumerate(names) if x.startswith("--")), len(names))]
+            return {"worlds": {w: {"reports": {name: report(losses(name), scale(name)) for name in names}} for w in worlds}}
         if script == "01_vanilla_dp" and args[args.index("--device") + 1] == "cuda":
             return {"losses": losses("1 GPU")}
         if script == "00_collectives":
@@ -58,18 +65,22 @@ class FakeLaunch:
             return {"losses": REF[:2]}
         if script == "06_zero3" and "--resume" in args:
             return {"losses": self.losses.get("resumed", REF[2:])}
-        return {"losses": REF}  # 01 on the CPU (the reference) and 06 uninterrupted
+        if script == "01_vanilla_dp":  # on the CPU: the reference
+            return report(losses("CPU"), scale("CPU"))
+        return {"losses": REF}  # 06 uninterrupted
 
 
-def gpu_check_exit(monkeypatch, tmp_path, fake, gpus=None, device="cpu", quick=True):
+def gpu_check_exit(monkeypatch, tmp_path, fake, gpus=None, device="cpu", quick=True, bf16=True, argv=()):
     """gpu_check's main() with `fake` for every launch (and `gpus` GPUs, if given; `device` "cuda"
-    takes the GPU path with them, faked; quick=False: the full check's runs too): its exit code."""
+    takes the GPU path with them, faked; quick=False: the full check's runs too; bf16=False: GPUs
+    without bf16 arithmetic, as a T4; argv: more flags): its exit code."""
     monkeypatch.setattr(gpu_check, "launch", fake)
+    monkeypatch.setattr(gpu_check, "has_bf16", lambda device: bf16)
     if gpus is not None:
         monkeypatch.setattr(gpu_check, "machine", lambda device: (gpus, f"{gpus} x a faked GPU"))
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(sys, "argv", ["gpu_check", "--device", device, *(["--quick"] if quick else []),
-                                      "--out", str(tmp_path)])
+                                      "--out", str(tmp_path), *argv])
     return gpu_check.main()
 
 
@@ -78,6 +89,42 @@ def test_the_full_check_runs_06_with_and_without_checkpointing(monkeypatch, tmp_
     assert gpu_check_exit(monkeypatch, tmp_path, fake, quick=False) == 0, capsys.readouterr().out
     assert "- 06_zero3 with --activation-checkpointing block against without, 1 device: loss difference 0.0e+00; " \
            "none: activations 0.00 MiB measured" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_the_full_check_runs_fp16_for_the_lessons_that_take_it(monkeypatch, tmp_path, capsys):
+    # every lesson in fp32 and bf16; in fp16 those of scripts/runs.FP16_LESSONS, the others
+    # named in one line; a skipped step (fp16's loss scaling) listed per run under the table
+    fake = FakeLaunch(skipped={"CPU": [0], "01_vanilla_dp": [0], "04_zero1": [0, 1]})
+    assert gpu_check_exit(monkeypatch, tmp_path, fake, quick=False) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    fp16 = [r["lesson"] for r in rows if r["precision"] == "fp16" and r["world"] == 2]
+    assert fp16 == FP16_LESSONS and len(rows) == 2 * (2 * len(LESSONS) + len(FP16_LESSONS))
+    refused = [x for x in LESSONS if x not in FP16_LESSONS]
+    assert [line for line in out.splitlines() if line.startswith("  fp16:")] == (
+        [f"  fp16: {', '.join(refused)} skipped (they do not take --precision fp16 yet)"] if refused else [])
+    assert "- fp16 loss scaling, the steps each run skipped: 0: 01_vanilla_dp world 1, " in out
+    assert "0, 1: 04_zero1 world 1, 04_zero1 world 2" in out and "01_vanilla_dp world 2, the CPU reference;" in out
+    # fp16 against one GPU: 2e-3 (not yet measured on a GPU: gpu_check.TOLERANCE says why)
+    gpu = [x + 5e-3 for x in REF]
+    runs = {f"{name} fp16": gpu for name in gpu_check.CHECKED} | {"1 GPU fp16": gpu, "05_zero2 fp16": [x + 1.5e-3 for x in gpu]}
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(runs), gpus=2, device="cuda", argv=["--precision", "fp16"]) == 0
+    runs["05_zero2 fp16"] = [x + 3e-3 for x in gpu]
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(runs), gpus=2, device="cuda", argv=["--precision", "fp16"]) == 1
+    assert "05_zero2 world 2 fp16 against 1 GPU: 3.0e-03 apart (tolerance 0.002)" in capsys.readouterr().out
+
+
+def test_gpus_without_bf16_run_fp16_instead_and_say_so(monkeypatch, tmp_path, capsys):
+    # a T4 (compute capability 7.5): bf16 only emulated. --quick: fp32 and fp16; the full check:
+    # fp32 and fp16; one line says why bf16 is left out
+    for quick in (True, False):
+        fake = FakeLaunch()
+        assert gpu_check_exit(monkeypatch, tmp_path, fake, gpus=2, device="cuda", quick=quick, bf16=False) == 0
+        out = capsys.readouterr().out
+        assert "  bf16: skipped, these GPUs have no bf16 arithmetic (compute capability below 8.0: torch would " \
+               "emulate it, slowly); fp16 is their 2-byte precision" in out.splitlines()
+        ran = {args[args.index("--precision") + 1] for script, _, args, *_ in fake.calls if "--precision" in args}
+        assert ran == {"fp32", "fp16"}
 
 
 def test_runs_that_agree_pass_and_00_runs_at_world_2(monkeypatch, tmp_path, capsys):

@@ -83,11 +83,12 @@ def test_in_an_existing_group_the_device_follows_its_backend():
 # all_gather_single / reduce_scatter_single are not here: torch 2.11 does not have them.
 # P2POp and batch_isend_irecv (00's grouped exchange) date from torch 1.8, irecv from 1.0; the
 # ring transport's new_group (backend, timeout), group.WORLD and ReduceOp from 1.0; reduce (07's
-# --layout uneven) from 1.0.
+# --layout uneven) from 1.0; get_process_group_ranks (00's Ring over 08's sub-groups, global ranks
+# of its neighbours) from 2.0, in distributed_c10d's __all__ since.
 SUPPORTED = {"HashStore", "P2POp", "all_gather_into_tensor", "all_gather_object", "all_reduce", "barrier",
              "batch_isend_irecv", "broadcast", "broadcast_object_list", "destroy_process_group", "get_backend",
              "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend", "recv",
-             "reduce", "reduce_scatter_tensor", "new_group", "group", "ReduceOp",
+             "reduce", "reduce_scatter_tensor", "new_group", "group", "ReduceOp", "get_process_group_ranks",
              "distributed_c10d._get_default_store", "distributed_c10d._abort_process_group"}
 FILES = [os.path.relpath(p, ROOT)[:-3] for p in sorted(glob.glob(os.path.join(ROOT, "*.py")))
          + sorted(glob.glob(os.path.join(ROOT, "lessonkit", "*.py")))] + ["scripts/perf/ring_collectives"]
@@ -270,17 +271,17 @@ def test_gpu_check_runs_its_checks_on_cpu(tmp_path):
     # The script's whole path on gloo (2 ranks): lessons in fp32 and bf16 against the CPU
     # reference, 00's ring at world 2, a save resumed at another world size, the table. (How it
     # fails: tests/test_gpu_check.py.)
-    # Three lessons of the seven (--lessons): a replicated one, 06 (the resume check's) and 07
-    # (its tier lines); every lesson runs on CPU in its own tests, and this is the script's path.
+    # Two lessons of the eight (--lessons): a replicated one and 07 (06's units, and its tier
+    # lines); every lesson runs on CPU in its own tests, and this is the script's path.
     proc = subprocess.run([sys.executable, "-m", "scripts.perf.gpu_check", "--device", "cpu", "--quick",
-                           "--lessons", "01_vanilla_dp", "06_zero3", "07_offload", "--out", str(tmp_path)],
+                           "--lessons", "01_vanilla_dp", "07_offload", "--out", str(tmp_path)],
                           cwd=ROOT, env=ENV, text=True, capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert len(result["rows"]) == 2 * 2 * 3  # fp32 and bf16, world 1 and 2, three lessons
+    assert len(result["rows"]) == 2 * 2 * 2  # fp32 and bf16, world 1 and 2, two lessons
     assert all(r["ok"] for r in result["rows"])
     assert [(c["check"].split(",")[0], c["ok"]) for c in result["checks"]] == [
         ("00_collectives at world 2", True), ("06_zero3 saved and resumed", True)]  # (--quick: no checkpointing twin)
     table = (tmp_path / "gpu_check.md").read_text()
-    assert table.count("| 06_zero3 |") == 4 and "2 CPU ranks -> 1" in table
+    assert table.count("| 07_offload |") == 4 and "2 CPU ranks -> 1" in table  # (the resume check runs 06)
     assert table.count("- 07_offload world ") == 4 and "exposed: all (plain copies on the CPU" in table  # its tiers

@@ -5,7 +5,10 @@
     python3 -m scripts.perf.gpu_check --quick          # a small model, a few steps: a smoke test
 
 Runs every lesson at world 1, and at world = the number of GPUs when there are two or more, in
-fp32 and bf16, on a GPT of 29.7M parameters, and prints per run: the final loss and its largest
+fp32, bf16 and fp16 (fp16: the lessons that take it, scripts/runs.FP16_LESSONS; bf16: on GPUs
+that compute in it, compute capability 8.0 and up: a T4 runs fp32 and fp16, and --quick runs
+fp32 and one of the 2-byte precisions, bf16 where the GPUs have it, else fp16), on a GPT of
+29.7M parameters, and prints per run: the final loss and its largest
 distance, over every step, from the same training in one process on the CPU and on one GPU
 (bf16's real check: the two devices' bf16 differs by as much as bf16 from fp32), the median
 step time, tokens/s, the GPU's peak allocated memory in the measured step beside the model
@@ -44,9 +47,10 @@ import sys
 import tempfile
 
 from lessonkit import summary
-from scripts.runs import LESSONS, device_and_host, launch, mib
+from scripts.runs import FP16_LESSONS, LESSONS, device_and_host, launch, mib
 
 CHECKED = list(LESSONS)
+PRECISIONS = ["fp32", "bf16", "fp16"]
 
 # 29,747,200 parameters, 4,096 tokens a step: big enough to time on a GPU, small enough for the
 # single-process CPU reference of 10 steps (its time on a GPU machine's CPU is not yet measured)
@@ -67,7 +71,16 @@ QUICK = ["--n-layer", "2", "--d-model", "64", "--n-head", "2", "--seq-len", "32"
 #   lessons' own orders of summation, 1.1e-3 apart at most (04 and 06 against 01), 2.4e-3 for 07
 #   (its AdamW on the CPU rounds otherwise); 5e-3, between that and a bug's 1e-2 rather than 10x
 #   above. Neither is measured yet at world 2 or more.
-TOLERANCE = {"CPU": {"fp32": 1e-3, "bf16": 1e-1}, "1 GPU": {"fp32": 1e-4, "bf16": 5e-3}}
+# fp16: not yet measured on a GPU; set by reasoning from bf16's. fp16 keeps 11 significant bits
+# (10 stored), bf16 8 (7): each rounding 8x finer, so fp16 runs should sit up to 8x closer than
+# bf16's; on this CPU (--quick, gloo against one process) they sit 3x closer (fp16 5.4e-5, bf16
+# 1.6e-4, 01-05), so the bounds take bf16's measured distances / 3. "1 GPU": bf16's 1.1e-3 (07:
+# 2.4e-3) / 3 = 3.7e-4 (8e-4); 2e-3 is 2.5x above 07's, 5x below a bug's 1e-2. "CPU": bf16's
+# 2.7e-2 / 3 = 9e-3 (the devices' kernels round at other points); 2e-2, 2x above: as bf16's, a
+# guard against garbage, the one-GPU reference being the check. (Loss scaling adds no rounding:
+# x 2^k is exact. A step skipped in one run and not in another, a gradient at fp16's overflow,
+# moves a loss by a whole step's change: the fp16 line under the table lists the skipped steps.)
+TOLERANCE = {"CPU": {"fp32": 1e-3, "bf16": 1e-1, "fp16": 2e-2}, "1 GPU": {"fp32": 1e-4, "bf16": 5e-3, "fp16": 2e-3}}
 
 
 def compare(got, want, tol):
@@ -98,7 +111,10 @@ def cpu_threads():
 def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
-    p.add_argument("--quick", action="store_true", help="a small model and 4 steps")
+    p.add_argument("--quick", action="store_true", help="a small model and 4 steps, fp32 and one 2-byte precision")
+    p.add_argument("--precision", nargs="+", choices=PRECISIONS, metavar="PRECISION",
+                   help="only these, of fp32 bf16 fp16 (default: all three; --quick: fp32, and bf16 where "
+                        "the GPUs compute in it, else fp16)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: the same checks on CPU with gloo, 2 ranks (the test suite's way in)")
     p.add_argument("--out", default="runs/gpu_check", help="where the table and every report go")
@@ -123,6 +139,26 @@ def machine(device):
                                        f"{torch.__version__} | CUDA {torch.version.cuda} | NCCL {nccl}")
 
 
+def has_bf16(device):
+    """Whether every GPU here computes in bf16: compute capability 8.0 (Ampere) or later. A T4
+    (7.5) or a V100 (7.0) only emulates it, slowly, and torch.cuda.is_bf16_supported() answers
+    True there all the same (it counts emulation); fp16 is their 2-byte precision. CPU: yes."""
+    import torch
+    if device == "cpu" or torch.version.hip:
+        return True
+    return all(torch.cuda.get_device_capability(i) >= (8, 0) for i in range(torch.cuda.device_count()))
+
+
+def precisions(a, bf16):
+    """The precisions to run, and the line that says bf16 was left out (GPUs without it), or None."""
+    wanted = a.precision or (["fp32", "bf16" if bf16 else "fp16"] if a.quick else PRECISIONS)
+    if bf16 or (a.precision and "bf16" not in a.precision):
+        return wanted, None
+    return [p for p in wanted if p != "bf16"], ("  bf16: skipped, these GPUs have no bf16 arithmetic (compute "
+                                                "capability below 8.0: torch would emulate it, slowly); fp16 is "
+                                                "their 2-byte precision")
+
+
 def sweep(worlds, lessons, flags, env=None):
     """The lessons at each world size, in one torchrun launch: {world: {lesson: report}}."""
     out = launch("scripts.perf.sweep", max(worlds), ["--worlds", *worlds, "--lessons", *lessons, *flags], env=env)
@@ -130,8 +166,8 @@ def sweep(worlds, lessons, flags, env=None):
 
 
 def cpu_reference(flags):
-    """The same training on the CPU, one process: the losses every GPU run is compared with."""
-    return launch("01_vanilla_dp", 1, [*flags, "--device", "cpu"], threads=cpu_threads())["losses"]
+    """The same training on the CPU, one process: the report whose losses every GPU run is compared with."""
+    return launch("01_vanilla_dp", 1, [*flags, "--device", "cpu"], threads=cpu_threads())
 
 
 def median_step(r):
@@ -203,6 +239,21 @@ def offload_line(world, precision, r):
     return (f"- 07_offload world {world} {precision}: {tiers}; copied up {mib(c.get('h2d_bytes', 0)):.1f} MiB "
             f"in {c.get('h2d_s', 0) * 1e3:.1f} ms, down {mib(c.get('d2h_bytes', 0)):.1f} MiB in "
             f"{c.get('d2h_s', 0) * 1e3:.1f} ms; " + (summary.copies_hidden(c, r.get("device")) if c else "no copies"))
+
+
+def skipped_line(by_world, ref_reports):
+    """fp16's loss scaling in one line: the steps each run skipped (an inf or NaN in a gradient),
+    grouped, the references' among them. A run that skipped another step than a reference is
+    a whole step's change away from it: this says why, when its loss is."""
+    groups = {}
+    named = [(f"{lesson} world {world}", r) for world, reports in by_world.items() for lesson, r in reports.items()]
+    named += [(f"the {'CPU' if name == 'CPU' else 'one-GPU'} reference", r) for name, r in ref_reports.items()]
+    for name, r in named:
+        groups.setdefault(tuple((r.get("loss_scale") or {}).get("skipped_steps", [])), []).append(name)
+    if list(groups) == [()]:
+        return "- fp16 loss scaling: no run skipped a step (no gradient overflowed at the scale they started with)"
+    return "- fp16 loss scaling, the steps each run skipped: " + "; ".join(
+        f"{', '.join(map(str, steps)) or 'none'}: {', '.join(names)}" for steps, names in groups.items())
 
 
 def why_failed(e):
@@ -293,23 +344,36 @@ def check(a):
     model[batch] = str(-(-int(model[batch]) // ngpu) * ngpu)  # every world divides it: 3 or 6 GPUs take 18
     flags = [*model, "--steps", str(steps), "--log-every", str(steps),
              "--peak-params", "0", "--measure-step", str(steps // 2)]
-    print(f"gpu-check: {where}\nevery lesson at world {' and '.join(map(str, worlds))}, fp32 and bf16, "
+    run_precisions, left_out = precisions(a, has_bf16(a.device))
+    print(f"gpu-check: {where}\nevery lesson at world {' and '.join(map(str, worlds))}, {', '.join(run_precisions)}, "
           f"{steps} steps; each run's losses against the same training in one process, on the CPU"
           f"{' and on one GPU' if a.device == 'cuda' else ''}", flush=True)
-    rows, failures, reports = [], [], {}
-    for precision in ("fp32", "bf16"):
+    if left_out:
+        print(left_out)
+    rows, failures, reports, scaling = [], [], {}, []
+    for precision in run_precisions:
+        lessons = [x for x in a.lessons if precision != "fp16" or x in FP16_LESSONS]
+        if len(lessons) < len(a.lessons):
+            print(f"  fp16: {', '.join(x for x in a.lessons if x not in lessons)} skipped (they do not take "
+                  "--precision fp16 yet)")
+        if not lessons:
+            continue
         pflags = [*flags, "--precision", precision]
-        refs = {"CPU": cpu_reference(pflags)}
+        cpu = cpu_reference(pflags)
+        refs, ref_reports = {"CPU": cpu["losses"]}, {"CPU": cpu}
         if a.device == "cuda":  # the same training on one GPU: bf16's check (see TOLERANCE)
-            refs["1 GPU"] = launch("01_vanilla_dp", 1, [*pflags, "--device", "cuda"])["losses"]
+            ref_reports["1 GPU"] = launch("01_vanilla_dp", 1, [*pflags, "--device", "cuda"])
+            refs["1 GPU"] = ref_reports["1 GPU"]["losses"]
         trace = tempfile.mkdtemp(prefix="gpu_check_trace_")
         traced = a.device == "cuda" and ngpu >= 2  # overlap from kernel times (gloo: the CPU clock)
-        by_world = sweep(worlds, a.lessons, ["--device", a.device, *pflags, *(["--trace", trace] if traced else [])])
+        by_world = sweep(worlds, lessons, ["--device", a.device, *pflags, *(["--trace", trace] if traced else [])])
         reports[precision] = by_world
         for world in worlds:
-            for lesson in a.lessons:
+            for lesson in lessons:
                 rows.append(row(world, precision, lesson, by_world[world][lesson], refs))
                 print(f"  {lesson} world {world} {precision}: loss {rows[-1]['loss']:.4f}", flush=True)
+        if precision == "fp16":
+            scaling.append(skipped_line(by_world, ref_reports))
     failures += [f"{r['lesson']} world {r['world']} {r['precision']} {why}" for r in rows for why in r["why"]]
     checks = []  # (name, None when it passed or why it failed, what was measured)
     if ngpu >= 2:
@@ -325,12 +389,12 @@ def check(a):
         checks.append(activations(flags, a.device))
     widest = spread(rows)
     offload = [offload_line(world, p, by_world[world]["07_offload"]) for p, by_world in reports.items()
-               for world in worlds if "07_offload" in a.lessons]
+               for world in worlds if "07_offload" in by_world[world]]
     out = [f"GPU check: {where}", "", table(rows), ""]
     out += [f"- largest distance from {'the CPU' if name == 'CPU' else name}, {p}: {d:.1e} ({at}), "
             f"tolerance {TOLERANCE[name][p]:g} (docs/gpus.md: how it was set)"
             for name, by_precision in widest.items() for p, (d, at) in by_precision.items()]
-    out += offload
+    out += offload + scaling
     out += [f"- {name}: {why or measured} {'✓' if why is None else '✗'}" for name, why, measured in checks]
     failures += [f"{name}: {why}" for name, why, _ in checks if why is not None]
     print("\n" + "\n".join(out))
