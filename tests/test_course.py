@@ -32,7 +32,7 @@ GRADED = [f[:-3] for f in grade.graded_files()]
 # first, which starts the forkserver) once it had 08 (2 cores, every process importing torch);
 # the submission that hangs reaches its launches of ranks in turn, so it meets the per-test limit
 # and then the run's.
-TEST_LIMIT, RUN_LIMIT = 35, 50
+TEST_LIMIT, RUN_LIMIT = 35, 45
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +243,9 @@ def test_a_class_with_a_hang_a_crash_and_edited_tests_each_costs_its_own_row(gra
     assert rows["good"]["status"] == rows["crashes"]["status"] == rows["edits_tests"]["status"] == "ok"
     reasons = {s: set(report["students"][s]["lessons"]["01_vanilla_dp"]["failing"].values()) for s in rows}
     assert any("GradeTimeout" in r for r in reasons["hangs"]), reasons["hangs"]
-    assert reasons["crashes"] and all("boom" in r for r in reasons["crashes"]), reasons["crashes"]
+    # the crash is named; a rank still connecting when its peer died may report the lost peer instead
+    assert any("boom" in r for r in reasons["crashes"]), reasons["crashes"]
+    assert not any("NotImplementedError" in r for r in reasons["crashes"]), reasons["crashes"]
     assert all("NotImplementedError: 01_vanilla_dp.py: average the gradients" in r for r in reasons["edits_tests"])
 
 
