@@ -284,13 +284,19 @@ def test_fp16_matches_ddp_with_torch_grad_scaler_bit_for_bit():
         assert results(2)[0][lesson]["report"]["loss_scale"]["final_scale"] == results(2)[0]["ddp"]["scale"]
 
 
-def test_fp16_sharded_matches_ddp_with_torch_grad_scaler_bit_for_bit():
+def equal_to_the_counterpart(lessons, counterpart):
+    """Every rank's losses and weights of each lesson's clip_256 run are the counterpart's, bit for
+    bit, and so is the final loss scale (rank 0's report)."""
     for rank_out in results(2):
-        for lesson in SHARDED:
-            close(rank_out[lesson, "clip_256"], rank_out["ddp", "clip_256"], dict(rtol=0, atol=0))
-    for lesson in SHARDED:
+        for lesson in lessons:
+            close(rank_out[lesson, "clip_256"], rank_out[counterpart, "clip_256"], dict(rtol=0, atol=0))
+    for lesson in lessons:
         scale = results(2)[0][lesson, "clip_256"]["report"]["loss_scale"]["final_scale"]
-        assert scale == results(2)[0]["ddp", "clip_256"]["scale"]
+        assert scale == results(2)[0][counterpart, "clip_256"]["scale"]
+
+
+def test_fp16_sharded_matches_ddp_with_torch_grad_scaler_bit_for_bit():
+    equal_to_the_counterpart(SHARDED, "ddp")
 
 
 def test_fp16_zero3_matches_fsdp2_with_sharded_grad_scaler_bit_for_bit():
@@ -300,12 +306,7 @@ def test_fp16_zero3_matches_fsdp2_with_sharded_grad_scaler_bit_for_bit():
     # arithmetic, moved to the host or regrouped (at G = 1 a reduce-scatter over one rank, then
     # the all-reduce over two adds the same two halves): held to the same FSDP2 run. (FSDP2 with
     # CPUOffloadPolicy, and HSDP on a 2 x 1 mesh, give these bits too: measured, not run here.)
-    for rank_out in results(2):
-        for lesson in ZERO3:
-            close(rank_out[lesson, "clip_256"], rank_out["fsdp2", "clip_256"], dict(rtol=0, atol=0))
-    for lesson in ZERO3:
-        scale = results(2)[0][lesson, "clip_256"]["report"]["loss_scale"]["final_scale"]
-        assert scale == results(2)[0]["fsdp2", "clip_256"]["scale"]
+    equal_to_the_counterpart(ZERO3, "fsdp2")
 
 
 def test_an_inf_on_one_rank_skips_that_step_on_every_rank():
