@@ -2,12 +2,12 @@
 
     make demo                       # or: .venv/bin/python -m scripts.learn.demo --nproc 2
     .venv/bin/python -m scripts.learn.demo --precision bf16 --steps 20
-    .venv/bin/python -m scripts.learn.demo --precision fp16    # the lessons that take fp16 (loss scaling)
+    .venv/bin/python -m scripts.learn.demo --precision fp16    # every lesson in fp16, the loss scaled
 """
 import argparse
 import statistics
 
-from scripts.runs import FP16_LESSONS, available_lessons, device_and_host, grid_args, launch, mib
+from scripts.runs import available_lessons, device_and_host, grid_args, launch, mib
 
 
 def main():
@@ -16,12 +16,8 @@ def main():
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--steps", type=int, default=40)
     a = p.parse_args()
-    rows, lessons = [], available_lessons()
-    if a.precision == "fp16" and set(lessons) - set(FP16_LESSONS):
-        print(f"fp16: {', '.join(x for x in lessons if x not in FP16_LESSONS)} skipped (they do not take "
-              "--precision fp16 yet)")
-        lessons = [x for x in lessons if x in FP16_LESSONS]
-    for lesson in lessons:
+    rows = []
+    for lesson in available_lessons():
         print(f"\n=== {lesson}: torchrun --nproc_per_node={a.nproc} {lesson}.py "
               f"--precision {a.precision} --steps {a.steps}", flush=True)
         r = launch(lesson, a.nproc, ["--precision", a.precision, "--steps", a.steps], echo=True)
