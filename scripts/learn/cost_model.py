@@ -499,9 +499,10 @@ def step(w, stage, world, cluster):
             sizes = [total]
         if not stage.overlap:
             compute(bwd)
+        whole = sum(sizes)  # once: a big model's DP step has thousands of buckets
         for size in [s for s in sizes if s > 0]:
             if stage.overlap:  # a bucket is full when backward has produced its bytes (uniformly)
-                compute(bwd * size / sum(sizes))
+                compute(bwd * size / whole)
             reduce(size)
     for key, size in pending:  # backward ends waiting for every reduce (HSDP: and all-reduce)
         settle(key, size)
