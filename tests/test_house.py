@@ -9,6 +9,7 @@ side.
 """
 import glob
 import os
+import re
 
 from graded import ROOT
 
@@ -51,3 +52,14 @@ def test_the_readme_layout_names_every_module():
     missing = [os.path.basename(p) for p in modules()[1] if not p.endswith("__init__.py")
                and f"{os.path.basename(p)}`" not in layout]
     assert not missing, missing
+
+
+def test_every_relative_link_in_the_docs_leads_to_a_file():
+    """A moved or renamed file must not leave a reader's link pointing at nothing."""
+    broken = []
+    for page in [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]:
+        with open(page, encoding="utf-8") as f:
+            targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", f.read())
+        broken += [(os.path.relpath(page, ROOT), t) for t in targets if not t.startswith(("http:", "https:", "mailto:"))
+                   and not os.path.exists(os.path.join(os.path.dirname(page), t))]
+    assert not broken, broken
