@@ -16,8 +16,8 @@ from lessonkit import common, summary
 from lessonkit.comm_meter import CommMeter
 from lessonkit.memory_ledger import MemoryLedger, Peaks, max_rss
 from scripts.perf import ring_collectives
-from lessonkit.theory import (buckets_in_flight, theory_activations, theory_links, theory_memory, theory_ring_bytes,
-                              theory_tiers)
+from lessonkit.theory import (HYBRID, buckets_in_flight, theory_activations, theory_links, theory_memory,
+                              theory_ring_bytes, theory_tiers)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -157,7 +157,7 @@ class Run:
     def report(self, gathered):
         a, n = self.args, self.env.world_size
         shard = getattr(a, "shard_group", None) or n  # 08: the states are sharded over G ranks, not N
-        mem_theory = theory_memory(self.strategy, self.psi, shard if self.strategy == "hybrid" else n, a.precision,
+        mem_theory = theory_memory(self.strategy, self.psi, shard if self.strategy in HYBRID else n, a.precision,
                                    self._grad_buckets_in_flight(), a.grad_accum)
         report = {
             "strategy": self.strategy, "world_size": n, "backend": self.env.backend,

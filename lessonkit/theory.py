@@ -24,7 +24,10 @@ SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
            "torch_ddp": (), "torch_zero_redundancy": ("optimizer",),
            "torch_fsdp2_noreshard": ("optimizer", "grads"),
            "torch_fsdp2": ("optimizer", "grads", "params"),
-           "torch_fsdp2_offload": ("optimizer", "grads", "params"), "torch_local": ()}
+           "torch_fsdp2_offload": ("optimizer", "grads", "params"), "torch_local": (),
+           "torch_fsdp2_hsdp": ("optimizer", "grads", "params")}
+# sharded over a shard group of G ranks and replicated across R = N / G of them: 08 and FSDP2's HSDP
+HYBRID = ("hybrid", "torch_fsdp2_hsdp")
 # the lessons that keep whole gradients and add bf16 (fp16) micro-steps into a whole fp32 accumulator
 # (05 and 06 add into their fp32 gradient shards instead)
 ACCUMULATE_FP32 = ("vanilla_dp", "async_allreduce", "buckets", "zero1")
@@ -93,7 +96,7 @@ def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1, shard=None)
     reduce-scatters at each (3 K Psi): no rank holds a whole gradient to accumulate into.
     08 (hybrid, `shard` = G ranks per shard group): both links of theory_links, added."""
     k = grad_accum
-    if strategy == "hybrid":
+    if strategy in HYBRID:
         return sum(theory_links(psi, shard, world, precision, k).values())
     elems = {"zero2": (k + 1) * psi, "zero3": 3 * k * psi, "offload": 3 * k * psi, "torch_fsdp2": 3 * k * psi,
              "torch_fsdp2_offload": 3 * k * psi, "torch_fsdp2_noreshard": (k + 1) * psi,

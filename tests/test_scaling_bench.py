@@ -145,6 +145,28 @@ def test_the_local_limit_trains_each_rank_alone_with_no_collective():
     assert report["comm"]["ops"] == {} and report["comm"]["theory_ring_bytes_per_step"] == 0
 
 
+def test_every_counterpart_the_benchmark_runs_is_held_to_a_formula():
+    # the benchmark's counterparts each report their model states and bytes beside the ZeRO
+    # paper's; FSDP2's HSDP as 08 does, over its shard group: at the benchmark's 2 ranks as two
+    # replicas (G = 1), the whole model on each rank
+    from lessonkit.theory import theory_memory, theory_ring_bytes
+    from model import GPT, GPTConfig
+    from scripts.perf.torch_reference import IMPLS
+    from scripts.runs import launch
+    for impl in IMPLS:
+        assert theory_memory(f"torch_{impl}", 1000, 2, "fp32")["total"] > 0, impl
+        assert theory_ring_bytes(f"torch_{impl}", 1000, 2, "fp32", shard=1) >= 0, impl
+    report = launch("scripts.perf.torch_reference", 2, ["--impl", "fsdp2_hsdp", "--shard-group", "1", "--steps", "3",
+                                                   "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16"])
+    measured, theory = report["memory"]["per_rank"][0], report["memory"]["theory"]
+    assert [measured[k] for k in ("params", "grads")] == [theory[k] for k in ("params", "grads")]
+    # torch.optim.AdamW also keeps a 4-byte step count per parameter tensor, which the paper leaves out
+    tensors = len(list(GPT(GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16)).parameters()))
+    assert measured["optimizer"] == theory["optimizer"] + 4 * tensors
+    assert theory["params"] == 4 * report["n_params"]  # G = 1: nothing sharded
+    assert report["comm"]["issued_ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"] > 0
+
+
 def test_bandwidth_contention_prints_one_row_per_size():
     # a smoke test of `bandwidth.py --contention` (README: "Overlap on 2 cores"): it runs and
     # reports each size's four times and the shares derived from them; no timing is asserted
