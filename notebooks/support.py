@@ -57,8 +57,8 @@ NAMES = {"01_vanilla_dp": "01 DP", "02_async_allreduce": "02 async", "03_buckets
          "04_zero1": "04 ZeRO-1", "05_zero2": "05 ZeRO-2", "06_zero3": "06 ZeRO-3", "07_offload": "07 offload",
          "08_hybrid": "08 HSDP"}
 # model-state categories, in stacking order, with one colour each in every figure
-CATEGORIES = [("params", "parameters (bf16; 06: fp32 shards)", "#4C72B0"),
-              ("grads", "gradients (bf16; 06: fp32 shards)", "#DD8452"),
+CATEGORIES = [("params", "parameters (bf16; 06, 08: fp32 shards)", "#4C72B0"),
+              ("grads", "gradients (bf16; 06, 08: fp32 shards)", "#DD8452"),
               ("moments", "Adam moments (fp32)", "#55A868"), ("master_weights", "master weights (fp32 copy)", "#8172B3"),
               ("other", "other buffers", "#937860")]
 COLLECTIVES = [("all_reduce", "all-reduce", "#4C72B0"), ("reduce_scatter", "reduce-scatter", "#DD8452"),
