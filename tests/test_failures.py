@@ -134,3 +134,18 @@ def test_killed_rank_is_named_by_the_survivor():
         assert len(ours) == 1 and f"lost rank {victim} " in ours[0], err
         assert ours[0].startswith(f"error (rank {1 - victim}): RuntimeError"), err
         assert "Traceback" not in err
+
+
+def test_a_teardown_that_never_returns_does_not_hold_a_finished_run():
+    # torch 2.6's destroy_process_group sometimes never returned once the peer had left (08 at 2
+    # ranks, 1 run in 2): a run that finished must still exit 0, within lifecycle.TEARDOWN_S
+    script = ("import threading, torch.distributed as dist\n"
+              "from lessonkit import lifecycle\n"
+              "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:%d')\n"
+              "dist.destroy_process_group = lambda: threading.Event().wait()  # as on torch 2.6\n"
+              "print('trained', flush=True)\n"
+              "lifecycle.exit_process(0)\n" % free_port())
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, text=True, capture_output=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "trained\n", out
+    assert time.monotonic() - start < 30, "the exit waited for the teardown"
