@@ -53,7 +53,7 @@ from lessonkit import optimizers  # noqa: E402
 from lessonkit.loss_scale import LossScaler  # noqa: E402
 from fuzz_models import global_batch, make_model, micro_batches, routing_slots  # noqa: E402
 import harness  # noqa: E402
-from lessons import Scaled, adamw, build, replicated_optimizer  # noqa: E402
+from lessons import FSDP2_REDUCES_UNUSED, Scaled, adamw, build, replicated_optimizer  # noqa: E402
 from tolerances import (FUZZ_BF16_ADAM_EPS, FUZZ_BF16_LOSS_ATOL, FUZZ_BF16_PYTORCH_SPREAD,  # noqa: E402
                         FUZZ_BF16_UPDATE_RTOL, FUZZ_FP16_ADAM_EPS, FUZZ_FP16_LOSS_ATOL, FUZZ_FP16_UPDATE_RTOL,
                         FUZZ_TOL)
@@ -236,6 +236,13 @@ def fsdp2_can_run(case):
                for step in range(case["steps"]) for m in range(accum))
 
 
+def used_alike(case):
+    """Whether every routed module is used in every micro-step of every rank of a step, or in
+    none: all that an FSDP2 without set_reduce_scatter_unused_params (torch 2.11's) can run."""
+    every = (1 << (case["world"] * case["accum"])) - 1
+    return all(bits in (0, every) for step in case["routes"] for bits in step)
+
+
 def partly_used(case):
     """Whether some routed module is used on some ranks and not others in some step."""
     world, accum = case["world"], case["accum"]
@@ -249,7 +256,8 @@ def runs_of(case, lessons=LESSONS):
     fp16: the lessons that take it (FP16) only."""
     lessons = [x for x in lessons if case["precision"] != "fp16" or x in FP16]
     names = [counterpart(x, case) for x in lessons] + list(lessons)
-    return [x for x in dict.fromkeys(names) if x != "fsdp2" or fsdp2_can_run(case)]
+    return [x for x in dict.fromkeys(names) if (x != "fsdp2" or fsdp2_can_run(case))
+            and (x not in FSDP2 or FSDP2_REDUCES_UNUSED or used_alike(case))]
 
 
 # ----------------------------------------------------------------------------- in a spawned rank

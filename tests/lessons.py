@@ -11,7 +11,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from lessonkit import optimizers
 from graded import load_lesson
@@ -223,13 +223,19 @@ class _FullySharded:
         return total
 
 
+# whether this torch's FSDP2 can reduce-scatter zeros for a parameter a rank's backward did not
+# reach (set_reduce_scatter_unused_params: torch 2.13 can, 2.11 cannot); where it cannot, it runs
+# only what every rank uses alike (tests/fuzz.py, runs_of)
+FSDP2_REDUCES_UNUSED = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+
+
 def _fsdp2_options(module, kw):
     """build's kw for FSDP2: mp_policy (a MixedPrecisionPolicy); find_unused: reduce-scatter
     zeros for a parameter this rank's backward did not reach (set_reduce_scatter_unused_params),
     so a unit's reduce-scatter matches on every rank. Unlike DDP's, a parameter no rank reached
     then gets a zero gradient, not None (AdamW moves it): a caller wanting DDP's semantics drops
     those (tests/fuzz.py does). The optimizer: optimizer_class/optimizer_kwargs, AdamW at lr."""
-    if kw.get("find_unused", False):
+    if kw.get("find_unused", False) and FSDP2_REDUCES_UNUSED:
         module.set_reduce_scatter_unused_params(True)
     return kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs")
 
