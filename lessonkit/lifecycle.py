@@ -134,12 +134,19 @@ def exit_process(code=0):
                 leaving_on_purpose(_store, _rank)
             # bounded: on torch 2.6 it sometimes never returns once a peer has left (08 at 2
             # ranks, 1 run in 2), and the process ends right after it anyway
-            teardown = threading.Thread(target=dist.destroy_process_group, daemon=True)
+            teardown = threading.Thread(target=_destroy_quietly, daemon=True)
             teardown.start()
             teardown.join(TEARDOWN_S)
         except Exception:  # a peer already gone: nothing left to tear down politely
             pass
     _leave(code)
+
+
+def _destroy_quietly():
+    try:
+        dist.destroy_process_group()
+    except Exception:  # a peer already gone: nothing left to tear down politely
+        pass
 
 
 def leaving_on_purpose(store, rank):
