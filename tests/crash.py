@@ -4,7 +4,8 @@ lessons and lessonkit hold no fault injection:
     python -m torch.distributed.run --max-restarts 2 ... tests/crash.py 03_buckets --resume auto ...
 
 torchrun's attempt (TORCHELASTIC_RESTART_COUNT) picks the crash, by SIGKILL, which no handler sees:
-- attempt 0: rank 1 dies after KILL_AFTER optimizer steps, between two saves (--save-every 2);
+- attempt 0: the last rank (rank 1 at world 2; rank 0 at world 1, as on one GPU) dies after
+  KILL_AFTER optimizer steps, between two saves (--save-every 2);
 - attempt 1: rank 0 dies saving step SAVE_KILLED: every rank file and meta.json written, COMPLETE not;
 - attempt 2 on: no crash.
 """
@@ -27,8 +28,8 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def crash_on(attempt, rank):
-    if attempt == 0 and rank == 1:
+def crash_on(attempt, rank, world):
+    if attempt == 0 and rank == world - 1:
         maybe_save = checkpoint.Checkpointer.maybe_save
 
         def maybe_save_or_die(self, step):
@@ -48,5 +49,6 @@ def crash_on(attempt, rank):
 
 if __name__ == "__main__":
     lesson, argv = sys.argv[1], sys.argv[2:]
-    crash_on(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("RANK", "0")))
+    crash_on(*(int(os.environ.get(k, d)) for k, d in
+               (("TORCHELASTIC_RESTART_COUNT", "0"), ("RANK", "0"), ("WORLD_SIZE", "1"))))
     lifecycle.run_main(lambda: load_lesson(lesson).main(argv))
