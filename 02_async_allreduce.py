@@ -104,7 +104,7 @@ def main(argv=None):
     optimizer = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                            **optimizers.adamw_kwargs(args))
     # fp16: dynamic loss scaling, GradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
-    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "async_allreduce", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
                                    functools.partial(optimizers.checkpoint_shards, optimizer), loss_scaler=scaler)

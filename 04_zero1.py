@@ -188,7 +188,7 @@ def main(argv=None):
     optimizer = ZeRO1Optimizer(optimizers.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
                                torch.optim.AdamW, grad_clip=args.grad_clip, **optimizers.adamw_kwargs(args))
     # fp16: dynamic loss scaling, GradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
-    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "zero1", model, optimizer, loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
                                    functools.partial(checkpoint_shards, optimizer), loss_scaler=scaler)

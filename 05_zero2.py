@@ -215,7 +215,7 @@ def main(argv=None):
                                bucket_order=model.parameters(),  # bucket 0 = the last layers: fills first
                                **optimizers.adamw_kwargs(args))
     # fp16: dynamic loss scaling, GradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
-    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "zero2", model, optimizer, loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
                                    functools.partial(checkpoint_shards, optimizer), loss_scaler=scaler)

@@ -229,7 +229,7 @@ def main(argv=None):
     # any optimizer, over my shards on the host: it steps there (foreach: one kernel per op)
     optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
     # fp16: dynamic loss scaling, ShardedGradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
-    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "offload", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
                                    functools.partial(zero3.checkpoint_shards, model, optimizer), loss_scaler=scaler)

@@ -155,7 +155,7 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
     # fp16: dynamic loss scaling (lessonkit/loss_scale.py); its found-inf flag is all-reduced over the
     # world, not my shard group: every rank, every replica, takes the same decision
-    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16")
+    scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "hybrid", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
                                    functools.partial(checkpoint_shards, model, optimizer), loss_scaler=scaler)

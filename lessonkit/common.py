@@ -1,6 +1,5 @@
-"""What every lesson sets up before its algorithm: flags, the device and the process group, the
-model (the GPT and its data: model.py). (DDP's shape for 01-03: ddp.py; the optimizers' side: optimizers.py; a clean
-exit and naming a lost rank: lifecycle.py.)"""
+"""What every lesson sets up before its algorithm: flags, the device and the process group, the GPT and
+its data (model.py). Elsewhere: DDP's shape for 01-03 in ddp.py, the optimizers' in optimizers.py, exits in lifecycle.py."""
 import argparse
 import os
 import warnings
@@ -10,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lessonkit import loss_scale
 from lessonkit.lifecycle import WATCHDOG_S, fail, restart_advice, say, start_heartbeat
 from model import GPT, GPTConfig
 from scripts.perf import ring_collectives
@@ -34,8 +34,7 @@ def _auto(value):  # --resume alone is True: a checkpoint must be there; --resum
 
 
 def build_parser(description=""):
-    # RawDescriptionHelpFormatter: --help prints the lesson's docstring as written, launch
-    # commands and all, instead of reflowing it into one paragraph
+    # RawDescriptionHelpFormatter: --help prints the lesson's docstring as written, not reflowed
     p = _Parser(description=description, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data and model")
     g.add_argument("--steps", type=int, default=40, help="optimizer steps")
@@ -61,6 +60,8 @@ def build_parser(description=""):
     g.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 turns it off")
     g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="bf16, fp16: 2-byte parameters, gradients, collectives; fp32 masters, moments (fp16: loss scaled)")
+    g.add_argument("--loss-scale", type=loss_scale.power_of_two, default=None, metavar="S",
+                   help="fp16: the loss scale it starts at, a power of two (default 65536, as torch.amp.GradScaler)")
     g = p.add_argument_group("communication")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (03, 05)")
     g.add_argument("--prefetch", type=int, choices=[0, 1], default=1,
@@ -118,15 +119,16 @@ def parse_args(argv=None, description=""):
     for name in ("weight_decay", "warmup_steps", "save_every"):  # (--save-every 0: never)
         if getattr(args, name) < 0:
             fail(f"--{name.replace('_', '-')} must be 0 or positive, got {getattr(args, name)}")
+    if args.loss_scale is not None and args.precision != "fp16":
+        fail(f"--loss-scale {args.loss_scale:g}: only fp16 scales its loss (use it with --precision fp16)")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
-    for flag, spec in (("--link", args.link), ("--inter-link", args.inter_link)):
-        if spec is not None and args.collectives == "torch":
+    for flag, spec in ((f, s) for f, s in (("--link", args.link), ("--inter-link", args.inter_link)) if s is not None):
+        if args.collectives == "torch":
             fail(f"{flag} simulates a link for the ring: use it with --collectives ring (or alone), not torch")
         try:
-            if spec is not None:
-                ring_collectives.lesson_00().Link.parse(spec)
+            ring_collectives.lesson_00().Link.parse(spec)
         except ValueError as e:
             fail(str(e).replace("--link", flag, 1))  # (Link.parse names --link)
     args.collectives = args.collectives or ("ring" if args.link or args.inter_link else "torch")

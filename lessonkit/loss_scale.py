@@ -50,11 +50,25 @@ resumed run continues with the scale, growth tracker and skipped steps it stoppe
 Disabled (every precision but fp16) it is the identity: scale(loss) is loss, step(optimizer) is
 optimizer.step(), update() does nothing, and no collective runs.
 """
+import argparse
+import math
+
 import torch
 import torch.distributed as dist
 
 # torch.amp.GradScaler's defaults, named once
 INIT_SCALE, GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL = 2.0 ** 16, 2.0, 0.5, 2000
+
+
+def power_of_two(text):
+    """--loss-scale's type (common.py): S = 2^k, so that x S and x 1/S are exact."""
+    try:
+        value = float(text)
+    except ValueError:  # (one message for every bad value)
+        value = math.nan
+    if not (math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5):
+        raise argparse.ArgumentTypeError(f"a power of two, such as 65536 or 1048576, got {text}")
+    return value
 
 
 class LossScaler:
@@ -63,10 +77,11 @@ class LossScaler:
     group's: CUDA for NCCL). Without a process group (a single-process reference) the flag is
     this process's alone."""
 
-    def __init__(self, device, enabled=True, init_scale=INIT_SCALE, growth_factor=GROWTH_FACTOR,
+    def __init__(self, device, enabled=True, init_scale=None, growth_factor=GROWTH_FACTOR,
                  backoff_factor=BACKOFF_FACTOR, growth_interval=GROWTH_INTERVAL):
         self.device, self.enabled = torch.device(device), enabled
-        self.init_scale = self.loss_scale = float(init_scale)  # S, a power of two: x S and x 1/S are exact
+        # S, a power of two (x S and x 1/S are exact); None: GradScaler's, INIT_SCALE (a lesson's --loss-scale)
+        self.init_scale = self.loss_scale = float(INIT_SCALE if init_scale is None else init_scale)
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self.growth_tracker = 0  # clean steps in a row since S last changed
         self.steps, self.skipped_steps = 0, []  # optimizer steps seen (update() calls); those skipped

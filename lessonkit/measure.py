@@ -92,15 +92,17 @@ class Run:
     def _memory_probe(self):
         """At rest = just before optimizer.step(), when params, grads and optimizer state are
         all alive; peak_params = the most parameter bytes alive after any operation, peak_grads
-        the most gradient bytes after any operation of backward."""
-        original, probe = self.optimizer.step, Peaks(self.ledger)
+        the most gradient bytes after any operation of backward. With a loss scaler, at its
+        step(optimizer), the same moment, which comes also when fp16 skips optimizer.step()."""
+        stepper = self.loss_scaler or self.optimizer  # (scaler.step(optimizer): the lessons' loop)
+        original, probe = stepper.step, Peaks(self.ledger)
 
         def step_with_sample(*a, **k):
             self.memory = self.ledger.measure()
             probe.optimizer_begins()
             return original(*a, **k)
 
-        self.optimizer.step = step_with_sample
+        stepper.step = step_with_sample
         # --peak-params 0: sampling after every operation costs about 2 ms each, seconds for
         # 01-03's step; peak_params, peak_grads and the timeline are then None, the rest as before
         track = getattr(self.args, "peak_params", 1)
@@ -110,7 +112,7 @@ class Run:
                     probe.sample()
                 yield
         finally:
-            self.optimizer.step = original
+            stepper.step = original
         if track:
             self.peak_params, self.peak_grads = probe.peak, probe.peak_grads
             self.peak_activations = probe.peak_activations

@@ -12,8 +12,8 @@ def print_summary(r):
           f"median step {r['median_step_time_s'] * 1e3:.1f} ms")
     if r.get("loss_scale"):  # fp16: dynamic loss scaling (loss_scale.py)
         ls = r["loss_scale"]
-        print(f"  loss scale: {ls['init_scale']:g} at the start, {ls['final_scale']:g} at the end | steps skipped on "
-              f"every rank (an inf or NaN on some rank): {len(ls['skipped_steps'])} {ls['skipped_steps']}")
+        print(f"  loss scale: {ls['init_scale']:.10g} at the start, {ls['final_scale']:.10g} at the end | steps "
+              f"skipped on every rank (an inf or NaN on some rank): {len(ls['skipped_steps'])} {ls['skipped_steps']}")
     ops = ", ".join(f"{k} x{v['calls']} ({v['bytes'] / mib:.2f} MiB)" for k, v in comm["ops"].items())
     print(f"  comm per rank per step (step {comm['measured_step']}): {ops or 'none'}")
     wire = comm["wire_bytes_per_rank"][0]
@@ -49,6 +49,10 @@ def print_summary(r):
         row += f" | peak_params {m['peak_params'] / mib:.2f} during the step"
     print(f"  memory rank 0, MiB at rest: {row}"
           + (f" | other {m['other'] / mib:.2f}" if m.get("other") else ""), flush=True)
+    before, skipped = comm["measured_step"], (r.get("loss_scale") or {}).get("skipped_steps", [])
+    if r.get("resumed_from") is None and set(range(before)) <= set(skipped):  # AdamW's state is made lazily
+        print("  (optimizer: AdamW makes its moments at its first step, and " + (f"fp16 skipped every step before step "
+              f"{before}" if before else "step 0 measures before it") + ": a later --measure-step shows them)")
     if m.get("peak_grads") is not None:  # ZeRO-2: my slices plus the buckets in flight; 01-04 all of it
         bound = th["peak_grads"] and f" (theory {th['peak_grads'] / mib:.2f}: at rest + buckets in flight)"
         print(f"  gradients rank 0, MiB: peak during backward {m['peak_grads'] / mib:.2f}{bound or ''} | "

@@ -199,7 +199,8 @@ def reference(argv, steps=None):
     model = common.build_model(args, common.Dist(0, 1, torch.device("cpu"), "gloo"))
     opt = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                      **optimizers.adamw_kwargs(args))
-    scaler = loss_scale.LossScaler("cpu", enabled=args.precision == "fp16")  # else the identity
+    # fp16's loss scaler, else the identity
+    scaler = loss_scale.LossScaler("cpu", enabled=args.precision == "fp16", init_scale=args.loss_scale)
     losses = []
     for step in range(steps or args.steps):
         tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)

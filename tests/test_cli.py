@@ -38,6 +38,13 @@ BAD = [
     (["--shard-group", "0"], "--shard-group 0 must be at least 1 and divide world size 1"),
     (["--inter-link", "1:50"], "--inter-link needs nodes: --ranks-per-node G (08: its --shard-group G is the node)"),
     (["--ranks-per-node", "1"], "--ranks-per-node 1 needs --inter-link"),
+    (["--loss-scale", "1000", "--precision", "fp16"], "argument --loss-scale: a power of two, such as 65536 or 1048576, got 1000"),
+    (["--loss-scale", "0"], "argument --loss-scale: a power of two, such as 65536 or 1048576, got 0"),
+    (["--loss-scale", "-1024"], "argument --loss-scale: a power of two"),
+    (["--loss-scale", "inf"], "argument --loss-scale: a power of two"),
+    (["--loss-scale", "big"], "argument --loss-scale: a power of two, such as 65536 or 1048576, got big"),
+    (["--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss (use it with --precision fp16)"),
+    (["--precision", "bf16", "--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss"),
 ]
 
 

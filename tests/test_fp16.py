@@ -93,6 +93,11 @@ EXTRA = {"05_zero2": BUCKETS + ["--grad-accum", "2"], "06_zero3": ["--grad-accum
 # 06, 07 and 08 beside FSDP2 with ShardedGradScaler: 2 micro-steps, clipping unreached
 ZERO3_CLIP = CLIP_UNREACHED + ["--grad-accum", "2"]
 SAVED_AT = 4  # 06's inf run saved after step 3: the scale halved at step 2, its growth tracker then at 1
+# --loss-scale 2^20: this model's scaled gradients overflow fp16 at steps 0, 1 and 5 (measured);
+# step 1 measured, skipped, with no step applied before it, as --measure-step 0 at GradScaler's
+# default scale (no overflow here): the two runs hold the same bytes at rest, moments not yet made
+SCALED, SCALED_SKIPS = ARGV + ["--loss-scale", str(2 ** 20), "--measure-step", "1", "--peak-params", "0"], [0, 1, 5]
+AT_STEP_0 = ARGV + ["--measure-step", "0", "--peak-params", "0"]
 
 
 # ----------------------------------------------------------------------------- in the ranks
@@ -107,20 +112,22 @@ def ddp_with_grad_scaler(argv):
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
     opt = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                          **optimizers.adamw_kwargs(args))
-    scaler = torch.amp.GradScaler("cpu")
-    losses = []
+    scaler = torch.amp.GradScaler("cpu", **({"init_scale": args.loss_scale} if args.loss_scale else {}))
+    losses, skipped = [], []
     for step in range(args.steps):
         optimizers.set_learning_rate(opt, args, step)
         loss = ddp(*get_batch(args, env, step, 0))
         scaler.scale(loss).backward()
         opt.master_grads()  # fp32 gradients on the masters: what GradScaler unscales (it refuses fp16 ones)
         scaler.step(opt)
+        before = scaler.get_scale()
         scaler.update()
+        skipped += [step] if scaler.get_scale() < before else []  # (it backs off after a skipped step only)
         opt.zero_grad()
         dist.all_reduce(mean := loss.detach().clone())
         losses.append(mean.item() / env.world_size)
     return {"losses": losses, "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
-            "scale": scaler.get_scale()}
+            "scale": scaler.get_scale(), "skipped": skipped}
 
 
 def fsdp2_with_sharded_grad_scaler(argv):
@@ -257,6 +264,9 @@ def suite(world):
     ckpt = interrupted(INF_ARGV + EXTRA["06_zero3"] + ["--steps", "5"])
     out["06_zero3", "inf"], out["06_zero3", "resumed"] = ckpt["full"], ckpt["resumed"]
     out["saved_loss_scale"] = ckpt["saved"]
+    out["ddp", "scaled"] = ddp_with_grad_scaler(SCALED)
+    for lesson in LESSONS + SHARDED + ZERO3:
+        out[lesson, "scaled"], out[lesson, "step_0"] = run_lesson(lesson, SCALED), run_lesson(lesson, AT_STEP_0)
     return out
 
 
@@ -324,6 +334,32 @@ def test_an_inf_on_one_rank_skips_that_step_on_every_rank():
         assert scale["skipped_steps"] == [INF_AT], lesson
         assert scale["final_scale"] == scale["init_scale"] / 2, lesson  # backed off once, not grown back
         close(ranks[1], ranks[0], dict(rtol=0, atol=0))  # the replicas still equal, after the step after it
+
+
+def test_loss_scale_flag_starts_there_and_a_skipped_measured_step_is_measured():
+    # --loss-scale S: every lesson's scaler starts at S and skips what GradScaler(init_scale=S) does
+    # beside DDP (01-03: bit for bit); at the measured step 1, skipped, every lesson measures its
+    # bytes at rest (06-08 measured none before: optimizer.step() never came), the same as at step 0
+    # with nothing skipped, and the summary says why the optimizer holds no moments yet
+    import contextlib
+    import io
+    from lessonkit.summary import print_summary
+    ddp = results(2)[0]["ddp", "scaled"]
+    assert ddp["skipped"] == SCALED_SKIPS
+    for lesson in LESSONS + SHARDED + ZERO3:
+        for rank_out in results(2):
+            if lesson in LESSONS:
+                close(rank_out[lesson, "scaled"], rank_out["ddp", "scaled"], dict(rtol=0, atol=0))
+        report, at_step_0 = (results(2)[0][lesson, key]["report"] for key in ("scaled", "step_0"))
+        assert report["loss_scale"]["init_scale"] == 2.0 ** 20 and report["loss_scale"]["skipped_steps"] == SCALED_SKIPS
+        assert report["loss_scale"]["final_scale"] == ddp["scale"], lesson
+        assert at_step_0["loss_scale"]["skipped_steps"] == [], lesson
+        at_rest = [[{k: v for k, v in m.items() if k != "max_rss"} for m in held(r)] for r in (report, at_step_0)]
+        assert at_rest[0] == at_rest[1] and at_rest[0][0]["params"] > 0, lesson  # (max_rss: the process's)
+        for r, line in ((report, "fp16 skipped every step before step 1"), (at_step_0, "step 0 measures before it")):
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                print_summary(r)
+            assert f"AdamW makes its moments at its first step, and {line}" in printed.getvalue(), lesson
 
 
 def test_fp16_report_memory_and_bytes():

@@ -50,7 +50,7 @@ class FakeLaunch:
             names = names[:next((i for i, x in enumerate(names) if x.startswith("--")), len(names))]
             return {"worlds": {w: {"reports": {name: report(losses(name), scale(name)) for name in names}} for w in worlds}}
         if script == "01_vanilla_dp" and args[args.index("--device") + 1] == "cuda":
-            return {"losses": losses("1 GPU")}
+            return report(losses("1 GPU"), scale("1 GPU"))
         if script == "00_collectives":
             if isinstance(self.ring, Exception):
                 raise self.ring
@@ -93,18 +93,33 @@ def test_the_full_check_runs_06_with_and_without_checkpointing(monkeypatch, tmp_
 
 def test_the_full_check_runs_fp16_for_the_lessons_that_take_it(monkeypatch, tmp_path, capsys):
     # every lesson in fp32 and bf16; in fp16 those of scripts/runs.FP16_LESSONS, the others
-    # named in one line; a skipped step (fp16's loss scaling) listed per run under the table
-    fake = FakeLaunch(skipped={"CPU": [0], "01_vanilla_dp": [0], "04_zero1": [0, 1]})
+    # named in one line, the loss scale starting at 2^20; the steps fp16's loss scaling skipped
+    # listed under the table, the same in every run and its reference
+    fake = FakeLaunch(skipped={name: [0, 1] for name in ["CPU", *LESSONS]})
     assert gpu_check_exit(monkeypatch, tmp_path, fake, quick=False) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
+    fp16_calls = [args for _, _, args, _, _ in fake.calls if "fp16" in args]
+    assert fp16_calls and all(args[args.index("--loss-scale") + 1] == str(2 ** 20) for args in fp16_calls)
+    assert not any("--loss-scale" in args for _, _, args, _, _ in fake.calls if "fp16" not in args)
+    assert "- fp16 loss scaling, the steps each run skipped: 0, 1: 01_vanilla_dp world 1, " in out
+    assert "08_hybrid world 2, the CPU reference" in out
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     fp16 = [r["lesson"] for r in rows if r["precision"] == "fp16" and r["world"] == 2]
     assert fp16 == FP16_LESSONS and len(rows) == 2 * (2 * len(LESSONS) + len(FP16_LESSONS))
     refused = [x for x in LESSONS if x not in FP16_LESSONS]
     assert [line for line in out.splitlines() if line.startswith("  fp16:")] == (
         [f"  fp16: {', '.join(refused)} skipped (they do not take --precision fp16 yet)"] if refused else [])
-    assert "- fp16 loss scaling, the steps each run skipped: 0: 01_vanilla_dp world 1, " in out
-    assert "0, 1: 04_zero1 world 1, 04_zero1 world 2" in out and "01_vanilla_dp world 2, the CPU reference;" in out
+    # a run that skipped other steps than its reference fails: on the CPU, the CPU's
+    fake = FakeLaunch(skipped={name: [0, 1] for name in ["CPU", *LESSONS]} | {"04_zero1": [0]})
+    assert gpu_check_exit(monkeypatch, tmp_path, fake, quick=False) == 1
+    out = capsys.readouterr().out
+    assert "- fp16 loss scaling, the steps each run skipped: 0, 1: 01_vanilla_dp world 1, " in out
+    assert "; 0: 04_zero1 world 1, 04_zero1 world 2" in out
+    assert "04_zero1 world 2 fp16 skipped steps [0], the CPU reference [0, 1]" in out.splitlines()[-1]
+    # on GPUs, the one-GPU run's (here every run skipped none, the one-GPU reference step 0)
+    fake = FakeLaunch(skipped={"1 GPU": [0]})
+    assert gpu_check_exit(monkeypatch, tmp_path, fake, gpus=2, device="cuda", argv=["--precision", "fp16"]) == 1
+    assert "05_zero2 world 2 fp16 skipped steps [], the one-GPU reference [0]" in capsys.readouterr().out
     # fp16 against one GPU: 2e-3 (6.6e-4 measured on an H200: gpu_check.TOLERANCE says why)
     gpu = [x + 5e-3 for x in REF]
     runs = {f"{name} fp16": gpu for name in gpu_check.CHECKED} | {"1 GPU fp16": gpu, "05_zero2 fp16": [x + 1.5e-3 for x in gpu]}

@@ -23,8 +23,10 @@ and bytes sent; the activation bytes measured beside the formula and the peak al
 lines give its tiers, its copies each way and how much of their time was hidden. 08 runs as two
 "nodes" of N / 2 GPUs (scripts/runs.grid_args; 1 x 1 at world 1), its shard and replicate groups
 NCCL sub-groups of one machine.
-Exits non-zero if any run fails, a loss is NaN or infinite at any step, two runs compared differ
-in length, or a loss is off by more than its tolerance at any step. On a machine without a GPU
+fp16 runs start their loss scale at 2^20 (FP16_LOSS_SCALE), so that their first steps overflow and
+are skipped, on every rank alike. Exits non-zero if any run fails, a loss is NaN or infinite at any
+step, two runs compared differ in length, a loss is off by more than its tolerance at any step, or
+an fp16 run skipped other steps than its reference. On a machine without a GPU
 it says so and exits 0. (--device cpu runs the same checks on CPU with gloo: how the test suite
 checks this script.)
 
@@ -81,6 +83,12 @@ QUICK = ["--n-layer", "2", "--d-model", "64", "--n-head", "2", "--seq-len", "32"
 # guard against garbage, the one-GPU reference being the check. (Loss scaling adds no rounding:
 # x 2^k is exact. A step skipped in one run and not in another, a gradient at fp16's overflow,
 # moves a loss by a whole step's change: the fp16 line under the table lists the skipped steps.)
+# fp16 runs start the loss scale at 2^20 (--loss-scale), not at GradScaler's 2^16, where no gradient
+# of the check's model overflowed on an H200: at 2^20 the first steps overflow (the 29.7M model on
+# the CPU: steps 0, 1 and 5 of 10; --quick's model: 0 and 1 of 4), so every fp16 run skips steps and
+# backs off, and at world N the found-inf flag's all-reduce is what makes its ranks skip alike. A
+# run must skip the steps its reference skipped (the one-GPU run's; on the CPU, the CPU's).
+FP16_LOSS_SCALE = 2 ** 20
 TOLERANCE = {"CPU": {"fp32": 1e-3, "bf16": 1e-1, "fp16": 2e-2}, "1 GPU": {"fp32": 1e-4, "bf16": 5e-3, "fp16": 2e-3}}
 
 
@@ -242,6 +250,18 @@ def offload_line(world, precision, r):
             f"{c.get('d2h_s', 0) * 1e3:.1f} ms; " + (summary.copies_hidden(c, r.get("device")) if c else "no copies"))
 
 
+def skips(r):
+    return (r.get("loss_scale") or {}).get("skipped_steps", [])
+
+
+def skipped_apart(by_world, ref_reports):
+    """fp16: the runs that skipped other steps than the reference (the one-GPU run, on the CPU the CPU's)."""
+    name = "1 GPU" if "1 GPU" in ref_reports else "CPU"
+    want = skips(ref_reports[name])
+    return [f"{lesson} world {world} fp16 skipped steps {skips(r)}, the {'one-GPU' if name == '1 GPU' else 'CPU'} "
+            f"reference {want}" for world, reports in by_world.items() for lesson, r in reports.items() if skips(r) != want]
+
+
 def skipped_line(by_world, ref_reports):
     """fp16's loss scaling in one line: the steps each run skipped (an inf or NaN in a gradient),
     grouped, the references' among them. A run that skipped another step than a reference is
@@ -250,7 +270,7 @@ def skipped_line(by_world, ref_reports):
     named = [(f"{lesson} world {world}", r) for world, reports in by_world.items() for lesson, r in reports.items()]
     named += [(f"the {'CPU' if name == 'CPU' else 'one-GPU'} reference", r) for name, r in ref_reports.items()]
     for name, r in named:
-        groups.setdefault(tuple((r.get("loss_scale") or {}).get("skipped_steps", [])), []).append(name)
+        groups.setdefault(tuple(skips(r)), []).append(name)
     if list(groups) == [()]:
         return "- fp16 loss scaling: no run skipped a step (no gradient overflowed at the scale they started with)"
     return "- fp16 loss scaling, the steps each run skipped: " + "; ".join(
@@ -344,7 +364,7 @@ def check(a):
     batch = model.index("--global-batch") + 1
     model[batch] = str(-(-int(model[batch]) // ngpu) * ngpu)  # every world divides it: 3 or 6 GPUs take 18
     flags = [*model, "--steps", str(steps), "--log-every", str(steps),
-             "--peak-params", "0", "--measure-step", str(steps // 2)]
+             "--peak-params", "0", "--measure-step", str(steps - 1)]  # (the last: fp16 skips the first ones)
     run_precisions, left_out = precisions(a, has_bf16(a.device))
     print(f"gpu-check: {where}\nevery lesson at world {' and '.join(map(str, worlds))}, {', '.join(run_precisions)}, "
           f"{steps} steps; each run's losses against the same training in one process, on the CPU"
@@ -359,12 +379,16 @@ def check(a):
                   "--precision fp16 yet)")
         if not lessons:
             continue
-        pflags = [*flags, "--precision", precision]
+        scaled = ["--loss-scale", str(FP16_LOSS_SCALE)] if precision == "fp16" else []
+        pflags = [*flags, "--precision", precision, *scaled]
         cpu = cpu_reference(pflags)
         refs, ref_reports = {"CPU": cpu["losses"]}, {"CPU": cpu}
         if a.device == "cuda":  # the same training on one GPU: bf16's check (see TOLERANCE)
             ref_reports["1 GPU"] = launch("01_vanilla_dp", 1, [*pflags, "--device", "cuda"])
             refs["1 GPU"] = ref_reports["1 GPU"]["losses"]
+        if precision == "fp16":  # (each run's follow below, as they finish: the table comes last)
+            print("  fp16 references, skipped steps: " + ", ".join(f"{'the ' if n == 'CPU' else ''}{n} {skips(r)}"
+                                                              for n, r in ref_reports.items()), flush=True)
         trace = tempfile.mkdtemp(prefix="gpu_check_trace_")
         traced = a.device == "cuda" and ngpu >= 2  # overlap from kernel times (gloo: the CPU clock)
         by_world = sweep(worlds, lessons, ["--device", a.device, *pflags, *(["--trace", trace] if traced else [])])
@@ -372,9 +396,11 @@ def check(a):
         for world in worlds:
             for lesson in lessons:
                 rows.append(row(world, precision, lesson, by_world[world][lesson], refs))
-                print(f"  {lesson} world {world} {precision}: loss {rows[-1]['loss']:.4f}", flush=True)
+                skipped = f", skipped steps {skips(by_world[world][lesson])}" if precision == "fp16" else ""
+                print(f"  {lesson} world {world} {precision}: loss {rows[-1]['loss']:.4f}{skipped}", flush=True)
         if precision == "fp16":
             scaling.append(skipped_line(by_world, ref_reports))
+            failures += skipped_apart(by_world, ref_reports)
     failures += [f"{r['lesson']} world {r['world']} {r['precision']} {why}" for r in rows for why in r["why"]]
     checks = []  # (name, None when it passed or why it failed, what was measured)
     if ngpu >= 2:
