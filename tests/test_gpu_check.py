@@ -216,6 +216,15 @@ def test_a_failed_run_fails_in_one_line(monkeypatch, tmp_path, capsys):
     assert "ChildFailedError" in (tmp_path / "failed_run.log").read_text()
 
 
+def test_the_table_is_written_before_the_checks_run(monkeypatch, tmp_path, capsys):
+    # a check that fails, or a run cut short by the machine's time (the resume's launches), still
+    # leaves every lesson's row in gpu_check.md
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(fail="06_zero3")) == 1
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert all(f"| {lesson} | 2 | fp32 |" in table for lesson in LESSONS), table
+    assert "06_zero3 saved and resumed" not in table and "failed_run.log" in capsys.readouterr().out
+
+
 def test_on_one_gpu_00_is_skipped_in_one_line(monkeypatch, tmp_path, capsys):
     fake = FakeLaunch()
     assert gpu_check_exit(monkeypatch, tmp_path, fake, gpus=1) == 0

@@ -336,6 +336,16 @@ def activations(flags, device):
             f"loss difference {diff:.1e}; " + "; ".join(parts))
 
 
+def write(out_dir, lines, everything=None):
+    """gpu_check.md (the lines), and gpu_check.json (everything) when given."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if everything is not None:
+        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+            json.dump(everything, f, indent=1)
+
+
 def main():
     a = parse()
     try:
@@ -402,6 +412,16 @@ def check(a):
             scaling.append(skipped_line(by_world, ref_reports))
             failures += skipped_apart(by_world, ref_reports)
     failures += [f"{r['lesson']} world {r['world']} {r['precision']} {why}" for r in rows for why in r["why"]]
+    widest = spread(rows)
+    offload = [offload_line(world, p, by_world[world]["07_offload"]) for p, by_world in reports.items()
+               for world in worlds if "07_offload" in by_world[world]]
+    out = [f"GPU check: {where}", "", table(rows), ""]
+    out += [f"- largest distance from {'the CPU' if name == 'CPU' else name}, {p}: {d:.1e} ({at}), "
+            f"tolerance {TOLERANCE[name][p]:g} (docs/gpus.md: how it was set)"
+            for name, by_precision in widest.items() for p, (d, at) in by_precision.items()]
+    out += offload + scaling
+    print("\n" + "\n".join(out), flush=True)  # the table now, and in the file: a check cut short leaves it
+    write(a.out, out)
     checks = []  # (name, None when it passed or why it failed, what was measured)
     if ngpu >= 2:
         checks.append((*ring(ngpu, flags, a.device), "ring == torch, its sends == theory, on every rank"))
@@ -414,24 +434,12 @@ def check(a):
                        f"loss difference {diff:.1e} (tolerance {TOLERANCE['CPU']['fp32']:g})"))
     if not a.quick:  # (the test suite runs --quick on CPU: tests/test_gpu_check.py checks this one's logic)
         checks.append(activations(flags, a.device))
-    widest = spread(rows)
-    offload = [offload_line(world, p, by_world[world]["07_offload"]) for p, by_world in reports.items()
-               for world in worlds if "07_offload" in by_world[world]]
-    out = [f"GPU check: {where}", "", table(rows), ""]
-    out += [f"- largest distance from {'the CPU' if name == 'CPU' else name}, {p}: {d:.1e} ({at}), "
-            f"tolerance {TOLERANCE[name][p]:g} (docs/gpus.md: how it was set)"
-            for name, by_precision in widest.items() for p, (d, at) in by_precision.items()]
-    out += offload + scaling
-    out += [f"- {name}: {why or measured} {'✓' if why is None else '✗'}" for name, why, measured in checks]
+    done = [f"- {name}: {why or measured} {'✓' if why is None else '✗'}" for name, why, measured in checks]
     failures += [f"{name}: {why}" for name, why, _ in checks if why is not None]
-    print("\n" + "\n".join(out))
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "gpu_check.md"), "w") as f:
-        f.write("\n".join(out) + "\n")
-    with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
-        json.dump({"machine": where, "rows": rows, "spread": widest,
-                   "checks": [{"check": name, "ok": why is None, "why": why, "measured": measured}
-                              for name, why, measured in checks], "reports": reports}, f, indent=1)
+    print("\n".join(done))
+    write(a.out, out + done, {"machine": where, "rows": rows, "spread": widest,
+                              "checks": [{"check": name, "ok": why is None, "why": why, "measured": measured}
+                                         for name, why, measured in checks], "reports": reports})
     if failures:
         print("gpu-check: FAILED: " + "; ".join(failures))
         return 1
