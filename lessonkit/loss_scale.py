@@ -150,12 +150,14 @@ class LossScaler:
         self.found_inf = self.unscaled = False
 
     def state_dict(self):
-        """GradScaler.state_dict's keys, plus the steps seen and those skipped (the report's)."""
-        return {"scale": self.loss_scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self.growth_tracker,
-                "steps": self.steps, "skipped_steps": list(self.skipped_steps)}
+        """GradScaler.state_dict's keys, plus the scale the run started at, the steps seen and those
+        skipped (the report's: a resumed run reports the whole run, whatever --loss-scale it was given)."""
+        return {"init_scale": self.init_scale, "scale": self.loss_scale, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "_growth_tracker": self.growth_tracker, "steps": self.steps, "skipped_steps": list(self.skipped_steps)}
 
     def load_state_dict(self, state):
+        self.init_scale = float(state.get("init_scale", self.init_scale))  # (saved since --loss-scale)
         self.loss_scale, self.growth_tracker = float(state["scale"]), int(state["_growth_tracker"])
         self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
         self.growth_interval, self.steps = state["growth_interval"], state["steps"]

@@ -235,7 +235,9 @@ def interrupted(argv):
         if dist.get_rank() == 0:
             shutil.copytree(os.path.join(full, saved), os.path.join(resumed, saved))
         dist.barrier()
-        out["resumed"] = with_an_inf("06_zero3", argv + save + ["--checkpoint-dir", resumed, "--resume"])
+        # (another --loss-scale: the checkpoint's scale wins, and the report says where the run began)
+        out["resumed"] = with_an_inf("06_zero3", argv + save + ["--checkpoint-dir", resumed, "--resume",
+                                                                "--loss-scale", "1024"])
         with open(os.path.join(resumed, saved, "meta.json")) as f:
             out["saved"] = json.load(f)["loss_scale"]
         dist.barrier()  # every rank has read it
@@ -407,9 +409,10 @@ def test_fp16_sharded_report_memory_and_bytes():
 def test_a_resumed_fp16_run_continues_with_its_loss_scale():
     """06's inf run (the scale halved at step 2) saved at step 4 and resumed there: the same last
     step bit for bit, and the scaler's state at the end (scale, growth tracker, steps seen, steps
-    skipped) the uninterrupted run's; meta.json holds it as GradScaler's state_dict names it."""
+    skipped) the uninterrupted run's, though the resumed run was given another --loss-scale;
+    meta.json holds it as GradScaler's state_dict names it, and the scale the run began with."""
     saved = results(2)[0]["saved_loss_scale"]
-    assert saved == {"scale": 2.0 ** 15, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+    assert saved == {"init_scale": 2.0 ** 16, "scale": 2.0 ** 15, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
                      "_growth_tracker": 1, "steps": SAVED_AT, "skipped_steps": [INF_AT]}
     for rank_out in results(2):
         full, resumed = rank_out["06_zero3", "inf"], rank_out["06_zero3", "resumed"]
