@@ -216,6 +216,20 @@ def test_a_failed_run_fails_in_one_line(monkeypatch, tmp_path, capsys):
     assert "ChildFailedError" in (tmp_path / "failed_run.log").read_text()
 
 
+def test_on_gpus_an_fp16_run_is_not_held_to_a_cpu_that_skipped_other_steps(monkeypatch, tmp_path, capsys):
+    # the CPU's fp16 kernels overflowed at step 5 too, the GPU's not: a step's change apart (0.05
+    # here, past the CPU's 2e-2), so those runs are held to the one GPU alone, and say why
+    far = [x + 5e-2 for x in REF]
+    skipped = {name: [0, 1] for name in ["1 GPU", *LESSONS]} | {"CPU": [0, 1, 5]}
+    fake = FakeLaunch({"CPU fp16": far}, skipped=skipped)
+    assert gpu_check_exit(monkeypatch, tmp_path, fake, gpus=2, device="cuda", argv=["--precision", "fp16"]) == 0
+    assert "| 06_zero3 | 2 | fp16 | 3.7000 | other skips | 0.0e+00 |" in (tmp_path / "gpu_check.md").read_text()
+    # the same distance with the same steps skipped fails, as before
+    fake = FakeLaunch({"CPU fp16": far}, skipped=skipped | {"CPU": [0, 1]})
+    assert gpu_check_exit(monkeypatch, tmp_path, fake, gpus=2, device="cuda", argv=["--precision", "fp16"]) == 1
+    assert "06_zero3 world 2 fp16 against the CPU: 5.0e-02 apart (tolerance 0.02)" in capsys.readouterr().out
+
+
 def test_the_table_is_written_before_the_checks_run(monkeypatch, tmp_path, capsys):
     # a check that fails, or a run cut short by the machine's time (the resume's launches), still
     # leaves every lesson's row in gpu_check.md
