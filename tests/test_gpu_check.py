@@ -16,23 +16,24 @@ from scripts.runs import FP16_LESSONS, LESSONS
 REF = [4.0, 3.9, 3.8, 3.7]  # the CPU reference's losses, and every faked run's unless told
 
 
-def report(losses, skipped=None):
+def report(losses, skipped=None, final_scale=2.0 ** 16):
     """What row() reads of a lesson's report (and, given skipped, fp16's loss_scale)."""
     return {"losses": losses, "step_time_s": [0.2, 0.1, 0.1, 0.1], "config": {"global_batch": 8, "seq_len": 32},
             "memory": {"per_rank": [{"params": 1, "grads": 1, "optimizer": 1}], "theory": {"total": 3}},
             "comm": {"overlap": None, "issued_ring_bytes_per_step": 0, "theory_ring_bytes_per_step": 0},
-            **({"loss_scale": {"skipped_steps": skipped}} if skipped is not None else {})}
+            **({"loss_scale": {"skipped_steps": skipped, "final_scale": final_scale}} if skipped is not None else {})}
 
 
 class FakeLaunch:
     """scripts.runs.launch as gpu_check calls it, answering from `losses` ({lesson: losses} or
     {"lesson precision": losses}, "resumed": 06's losses after the resume, "1 GPU": the one-GPU
     reference's), `ring` (00's per-rank results, or an exception), `skipped` (fp16's skipped
-    steps, {"lesson": steps}, the CPU reference as "CPU"; else none)."""
+    steps, {"lesson": steps}, the CPU reference as "CPU"; else none), `overflow` (the same for the
+    overflow check's runs at --loss-scale 2^40, {"lesson": (steps, final scale)}; else all 3, 2^37)."""
 
-    def __init__(self, losses=None, ring=None, fail=None, skipped=None):
+    def __init__(self, losses=None, ring=None, fail=None, skipped=None, overflow=None):
         self.losses, self.ring, self.fail, self.calls = losses or {}, ring, fail, []
-        self.skipped = skipped or {}
+        self.skipped, self.overflow = skipped or {}, overflow or {}
 
     def __call__(self, script, nproc, args=(), threads=1, env=None, **_):
         args = [str(a) for a in args]
@@ -43,14 +44,17 @@ class FakeLaunch:
                                "Traceback (most recent call last):\n  ...ChildFailedError")
         precision = args[args.index("--precision") + 1] if "--precision" in args else "fp32"
         losses = lambda name: self.losses.get(f"{name} {precision}", self.losses.get(name, REF))
-        scale = lambda name: self.skipped.get(name, []) if precision == "fp16" else None
+        if "--loss-scale" in args:  # gpu_check.overflow's runs
+            report_of = lambda name: report(losses(name), *self.overflow.get(name, ([0, 1, 2], 2.0 ** 37)))
+        else:
+            report_of = lambda name: report(losses(name), self.skipped.get(name, []) if precision == "fp16" else None)
         if script == "scripts.perf.sweep":
             worlds = args[args.index("--worlds") + 1:args.index("--lessons")]
             names = args[args.index("--lessons") + 1:]
             names = names[:next((i for i, x in enumerate(names) if x.startswith("--")), len(names))]
-            return {"worlds": {w: {"reports": {name: report(losses(name), scale(name)) for name in names}} for w in worlds}}
+            return {"worlds": {w: {"reports": {name: report_of(name) for name in names}} for w in worlds}}
         if script == "01_vanilla_dp" and args[args.index("--device") + 1] == "cuda":
-            return report(losses("1 GPU"), scale("1 GPU"))
+            return report_of("1 GPU")
         if script == "00_collectives":
             if isinstance(self.ring, Exception):
                 raise self.ring
@@ -66,7 +70,7 @@ class FakeLaunch:
         if script == "06_zero3" and "--resume" in args:
             return {"losses": self.losses.get("resumed", REF[2:])}
         if script == "01_vanilla_dp":  # on the CPU: the reference
-            return report(losses("CPU"), scale("CPU"))
+            return report_of("CPU")
         return {"losses": REF}  # 06 uninterrupted
 
 
@@ -93,16 +97,18 @@ def test_the_full_check_runs_06_with_and_without_checkpointing(monkeypatch, tmp_
 
 def test_the_full_check_runs_fp16_for_the_lessons_that_take_it(monkeypatch, tmp_path, capsys):
     # every lesson in fp32 and bf16; in fp16 those of scripts/runs.FP16_LESSONS, the others
-    # named in one line, the loss scale starting at 2^20; the steps fp16's loss scaling skipped
-    # listed under the table, the same in every run and its reference
+    # named in one line, at GradScaler's scale; the steps fp16's loss scaling skipped listed under
+    # the table, the same in every run and its reference; then the overflow check, at 2^40 only
     fake = FakeLaunch(skipped={name: [0, 1] for name in ["CPU", *LESSONS]})
     assert gpu_check_exit(monkeypatch, tmp_path, fake, quick=False) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
-    fp16_calls = [args for _, _, args, _, _ in fake.calls if "fp16" in args]
-    assert fp16_calls and all(args[args.index("--loss-scale") + 1] == str(2 ** 20) for args in fp16_calls)
-    assert not any("--loss-scale" in args for _, _, args, _, _ in fake.calls if "fp16" not in args)
+    scaled = [(script, args) for script, _, args, _, _ in fake.calls if "--loss-scale" in args]
+    assert [script for script, _ in scaled] == ["01_vanilla_dp", "scripts.perf.sweep"]  # the CPU's reference, then every lesson
+    assert all(args[args.index("--loss-scale") + 1] == str(2 ** 40) and "fp16" in args for _, args in scaled)
     assert "- fp16 loss scaling, the steps each run skipped: 0, 1: 01_vanilla_dp world 1, " in out
     assert "08_hybrid world 2, the CPU reference" in out
+    assert (f"- fp16 at a loss scale of 2^40, 3 steps that overflow, against the CPU: {2 * len(FP16_LESSONS)} runs "
+            "skipped steps [0, 1, 2] on every rank, the scale 2^40 -> 2^37, the untouched model's losses ✓") in out
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     fp16 = [r["lesson"] for r in rows if r["precision"] == "fp16" and r["world"] == 2]
     assert fp16 == FP16_LESSONS and len(rows) == 2 * (2 * len(LESSONS) + len(FP16_LESSONS))
@@ -228,6 +234,19 @@ def test_on_gpus_an_fp16_run_is_not_held_to_a_cpu_that_skipped_other_steps(monke
     fake = FakeLaunch({"CPU fp16": far}, skipped=skipped | {"CPU": [0, 1]})
     assert gpu_check_exit(monkeypatch, tmp_path, fake, gpus=2, device="cuda", argv=["--precision", "fp16"]) == 1
     assert "06_zero3 world 2 fp16 against the CPU: 5.0e-02 apart (tolerance 0.02)" in capsys.readouterr().out
+
+
+def test_the_overflow_check_fails_a_run_that_stepped_or_did_not_back_off(monkeypatch, tmp_path, capsys):
+    # at 2^40 every step overflows: a run that took one, or kept its scale, or whose losses left the
+    # untouched model's (a rank that stepped alone), fails; the reference's skips are checked too
+    for overflow, losses, said in [
+            ({"06_zero3": ([0, 2], 2.0 ** 38)}, {}, "06_zero3 world 2: skipped [0, 2]"),
+            ({"07_offload": ([0, 1, 2], 2.0 ** 40)}, {}, "07_offload world 2: ended at a scale of 1099511627776.0"),
+            ({}, {"08_hybrid fp16": [x + 1e-2 for x in REF]}, "08_hybrid world 2: 1.0e-02 apart (tolerance 0.002)"),
+            ({"1 GPU": ([0], 2.0 ** 39)}, {}, "the reference skipped [0]")]:
+        fake = FakeLaunch(losses, overflow=overflow)
+        assert gpu_check_exit(monkeypatch, tmp_path, fake, gpus=2, device="cuda", argv=["--precision", "fp16"]) == 1
+        assert said in capsys.readouterr().out.splitlines()[-1]
 
 
 def test_the_table_is_written_before_the_checks_run(monkeypatch, tmp_path, capsys):

@@ -23,12 +23,14 @@ and bytes sent; the activation bytes measured beside the formula and the peak al
 lines give its tiers, its copies each way and how much of their time was hidden. 08 runs as two
 "nodes" of N / 2 GPUs (scripts/runs.grid_args; 1 x 1 at world 1), its shard and replicate groups
 NCCL sub-groups of one machine.
-fp16 runs start their loss scale at 2^20 (FP16_LOSS_SCALE), so that their first steps overflow and
-are skipped, on every rank alike. Exits non-zero if any run fails, a loss is NaN or infinite at any
-step, two runs compared differ in length, a loss is off by more than its tolerance at any step, or
-an fp16 run skipped other steps than its reference. On a machine without a GPU
-it says so and exits 0. (--device cpu runs the same checks on CPU with gloo: how the test suite
-checks this script.)
+And fp16 at a loss scale of 2^40 for 3 steps, each overflowing by far: every run must skip them all
+(the found-inf flag on the device; 07's beside its host gradients), back off, and keep its weights:
+its losses those of the untouched model (OVERFLOW_SCALE). (An overflow on one rank only, which only
+the flag's all-reduce tells the others, is tests/test_fp16.py's, injected on the CPU.)
+Exits non-zero if any run fails, a loss is NaN or infinite at any step, two runs compared differ
+in length, a loss is off by more than its tolerance at any step, an fp16 run skipped other steps
+than its reference, or a check fails. On a machine without a GPU it says so and exits 0.
+(--device cpu runs the same checks on CPU with gloo: how the test suite checks this script.)
 
 No run with the CUDA caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1), as an earlier
 version had: with caching off every free is a cudaFree, which synchronizes the device, so a
@@ -83,15 +85,15 @@ QUICK = ["--n-layer", "2", "--d-model", "64", "--n-head", "2", "--seq-len", "32"
 # guard against garbage, the one-GPU reference being the check. (Loss scaling adds no rounding:
 # x 2^k is exact. A step skipped in one run and not in another, a gradient at fp16's overflow,
 # moves a loss by a whole step's change: the fp16 line under the table lists the skipped steps.)
-# fp16 runs start the loss scale at 2^20 (--loss-scale), not at GradScaler's 2^16, where no gradient
-# of the check's model overflowed on an H200: at 2^20 the first steps overflow (the 29.7M model on
-# the CPU: steps 0, 1 and 5 of 10; --quick's model: 0 and 1 of 4), so every fp16 run skips steps and
-# backs off, and at world N the found-inf flag's all-reduce is what makes its ranks skip alike. A
-# run must skip the steps its reference skipped (the one-GPU run's; on the CPU, the CPU's). The CPU's
-# fp16 kernels may overflow at another step than the GPU's (the scaler settles within 2x of
-# overflow, so a later step's gradient can sit at the edge): a GPU run that skipped other steps
-# than the CPU reference is not compared with it ("other skips"), as the fuzzer compares runs.
-FP16_LOSS_SCALE = 2 ** 20
+# fp16's table runs start at GradScaler's scale, 2^16, where no gradient of the check's model
+# overflowed on an H200, 4x below the edge (at 2^20 the first steps overflow, the scale settles at
+# 2^18 and on the CPU step 5 tips over: a scaler always settles within 2x of an overflow, where
+# two devices' kernels, or two orders of summation, may decide a later step otherwise). So the
+# skipping has its own check (overflow()): 2^40 for OVERFLOW_STEPS steps, each overflowing by far
+# (a gradient above 2^-22 does), nothing at the edge: every run must skip them all and leave its
+# weights as they were. A GPU run that skipped other steps than the CPU reference is
+# held to the one-GPU reference alone ("other skips"), as the fuzzer compares fp16 runs.
+OVERFLOW_SCALE, OVERFLOW_STEPS = 2 ** 40, 3
 TOLERANCE = {"CPU": {"fp32": 1e-3, "bf16": 1e-1, "fp16": 2e-2}, "1 GPU": {"fp32": 1e-4, "bf16": 5e-3, "fp16": 2e-3}}
 
 
@@ -194,7 +196,7 @@ def row(world, precision, lesson, r, ref_reports):
     hidden = ("n/a (world 1)" if world == 1 else f"{ov['hidden_share']:.0%}" if ov else "unavailable")
     gaps, whys = {}, []  # ref_reports: {"CPU": report, "1 GPU": report (on CUDA)}
     for name, ref in ref_reports.items():
-        if name == "CPU" and "1 GPU" in ref_reports and skips(r) != skips(ref):  # fp16 (FP16_LOSS_SCALE)
+        if name == "CPU" and "1 GPU" in ref_reports and skips(r) != skips(ref):  # (fp16: OVERFLOW_SCALE's comment)
             gaps[name] = None  # the devices' kernels overflowed at other steps: a step's change apart
             continue
         gaps[name], why = compare(r["losses"], ref["losses"], TOLERANCE[name][precision])
@@ -324,6 +326,32 @@ def resume_elsewhere(ngpu, flags, device, tmp):
     return where, resumed["losses"], whole[first:]
 
 
+def overflow(worlds, lessons, flags, device):
+    """Every fp16 lesson with the loss scale at 2^40 for OVERFLOW_STEPS steps: each overflows by
+    far, on every rank, so every run must skip them all (a rank that stepped would move the next
+    step's mean loss), backing off to 2^37, and its losses are the untouched model's: the
+    reference's (one process on one GPU; on the CPU, the CPU's), within fp16's tolerance.
+    Returns (name, None or why it failed, what was measured)."""
+    argv = [*flags, "--precision", "fp16", "--loss-scale", str(OVERFLOW_SCALE), "--steps", str(OVERFLOW_STEPS),
+            "--measure-step", "0"]  # (after the check's own: they win)
+    name, want = "CPU" if device == "cpu" else "1 GPU", list(range(OVERFLOW_STEPS))
+    ref = cpu_reference(argv) if device == "cpu" else launch("01_vanilla_dp", 1, [*argv, "--device", "cuda"])
+    wrong = [f"the reference skipped {skips(ref)}"] if skips(ref) != want else []
+    by_world = sweep(worlds, lessons, ["--device", device, *argv])
+    for world, reports in by_world.items():
+        for lesson, r in reports.items():
+            scale = (r.get("loss_scale") or {}).get("final_scale")
+            why = (f"skipped {skips(r)}" if skips(r) != want else f"ended at a scale of {scale}"
+                   if scale != OVERFLOW_SCALE / 2 ** OVERFLOW_STEPS else
+                   compare(r["losses"], ref["losses"], TOLERANCE[name]["fp16"])[1])
+            wrong += [f"{lesson} world {world}: {why}"] if why else []
+    runs = sum(map(len, by_world.values()))
+    return (f"fp16 at a loss scale of 2^40, {OVERFLOW_STEPS} steps that overflow, against "
+            f"{'the CPU' if name == 'CPU' else 'one GPU'}", "; ".join(wrong) or None,
+            f"{runs} runs skipped steps {want} on every rank, the scale 2^40 -> 2^{40 - OVERFLOW_STEPS}, "
+            f"the untouched model's losses")
+
+
 def activations(flags, device):
     """06 at world 1 with and without --activation-checkpointing block: the same losses (the
     recomputation repeats forward's operations on the same inputs), and each run's activation
@@ -397,8 +425,7 @@ def check(a):
                   "--precision fp16 yet)")
         if not lessons:
             continue
-        scaled = ["--loss-scale", str(FP16_LOSS_SCALE)] if precision == "fp16" else []
-        pflags = [*flags, "--precision", precision, *scaled]
+        pflags = [*flags, "--precision", precision]
         cpu = cpu_reference(pflags)
         ref_reports = {"CPU": cpu}
         if a.device == "cuda":  # the same training on one GPU: bf16's check (see TOLERANCE)
@@ -439,6 +466,9 @@ def check(a):
         diff, why = compare(resumed, whole, TOLERANCE["CPU"]["fp32"])
         checks.append((f"06_zero3 saved and resumed, {moved}, against uninterrupted", why,
                        f"loss difference {diff:.1e} (tolerance {TOLERANCE['CPU']['fp32']:g})"))
+    fp16 = [x for x in a.lessons if x in FP16_LESSONS]
+    if "fp16" in run_precisions and fp16:
+        checks.append(overflow(worlds, fp16, flags, a.device))
     if not a.quick:  # (the test suite runs --quick on CPU: tests/test_gpu_check.py checks this one's logic)
         checks.append(activations(flags, a.device))
     done = [f"- {name}: {why or measured} {'✓' if why is None else '✗'}" for name, why, measured in checks]
