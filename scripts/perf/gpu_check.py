@@ -410,7 +410,7 @@ def check(a):
     batch = model.index("--global-batch") + 1
     model[batch] = str(-(-int(model[batch]) // ngpu) * ngpu)  # every world divides it: 3 or 6 GPUs take 18
     flags = [*model, "--steps", str(steps), "--log-every", str(steps),
-             "--peak-params", "0", "--measure-step", str(steps - 1)]  # (the last: fp16 skips the first ones)
+             "--peak-params", "0", "--measure-step", str(steps // 2)]
     run_precisions, left_out = precisions(a, has_bf16(a.device))
     print(f"gpu-check: {where}\nevery lesson at world {' and '.join(map(str, worlds))}, {', '.join(run_precisions)}, "
           f"{steps} steps; each run's losses against the same training in one process, on the CPU"
