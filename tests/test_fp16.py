@@ -55,6 +55,8 @@ layers' matmuls, LayerNorm, GELU, scaled_dot_product_attention (its softmax), th
 the cross-entropy runs on the logits cast to fp32, as in every precision (model.py), and fp16
 cross-entropy runs on CPU as well (test_fp16_kernels_run_on_this_cpu).
 """
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -65,6 +67,7 @@ import torch.distributed as dist
 
 from harness import close, comm_ops, held, launches, memory_theory, reference, run_lesson
 from lessonkit.common import model_config, parse_args
+from lessonkit.summary import print_summary
 from model import GPT
 from tolerances import FP16_LOSS_TOL, FP16_PARAM_TOL
 
@@ -343,9 +346,6 @@ def test_loss_scale_flag_starts_there_and_a_skipped_measured_step_is_measured():
     # beside DDP (01-03: bit for bit); at the measured step 1, skipped, every lesson measures its
     # bytes at rest (06-08 measured none before: optimizer.step() never came), the same as at step 0
     # with nothing skipped, and the summary says why the optimizer holds no moments yet
-    import contextlib
-    import io
-    from lessonkit.summary import print_summary
     ddp = results(2)[0]["ddp", "scaled"]
     assert ddp["skipped"] == SCALED_SKIPS
     for lesson in LESSONS + SHARDED + ZERO3:

@@ -196,7 +196,7 @@ def row(world, precision, lesson, r, ref_reports):
     hidden = ("n/a (world 1)" if world == 1 else f"{ov['hidden_share']:.0%}" if ov else "unavailable")
     gaps, whys = {}, []  # ref_reports: {"CPU": report, "1 GPU": report (on CUDA)}
     for name, ref in ref_reports.items():
-        if name == "CPU" and "1 GPU" in ref_reports and skips(r) != skips(ref):  # (fp16: OVERFLOW_SCALE's comment)
+        if name != strict(ref_reports) and skips(r) != skips(ref):  # (fp16: OVERFLOW_SCALE's comment)
             gaps[name] = None  # the devices' kernels overflowed at other steps: a step's change apart
             continue
         gaps[name], why = compare(r["losses"], ref["losses"], TOLERANCE[name][precision])
@@ -264,9 +264,14 @@ def skips(r):
     return (r.get("loss_scale") or {}).get("skipped_steps", [])
 
 
+def strict(ref_reports):
+    """The reference whose skipped steps fp16 runs must match: the one GPU's, on the CPU the CPU's."""
+    return "1 GPU" if "1 GPU" in ref_reports else "CPU"
+
+
 def skipped_apart(by_world, ref_reports):
-    """fp16: the runs that skipped other steps than the reference (the one-GPU run, on the CPU the CPU's)."""
-    name = "1 GPU" if "1 GPU" in ref_reports else "CPU"
+    """fp16: the runs that skipped other steps than the strict reference."""
+    name = strict(ref_reports)
     want = skips(ref_reports[name])
     return [f"{lesson} world {world} fp16 skipped steps {skips(r)}, the {'one-GPU' if name == '1 GPU' else 'CPU'} "
             f"reference {want}" for world, reports in by_world.items() for lesson, r in reports.items() if skips(r) != want]
@@ -341,9 +346,12 @@ def overflow(worlds, lessons, flags, device):
     for world, reports in by_world.items():
         for lesson, r in reports.items():
             scale = (r.get("loss_scale") or {}).get("final_scale")
-            why = (f"skipped {skips(r)}" if skips(r) != want else f"ended at a scale of {scale}"
-                   if scale != OVERFLOW_SCALE / 2 ** OVERFLOW_STEPS else
-                   compare(r["losses"], ref["losses"], TOLERANCE[name]["fp16"])[1])
+            if skips(r) != want:
+                why = f"skipped {skips(r)}"
+            elif scale != OVERFLOW_SCALE / 2 ** OVERFLOW_STEPS:
+                why = f"ended at a scale of {scale}"
+            else:
+                why = compare(r["losses"], ref["losses"], TOLERANCE[name]["fp16"])[1]
             wrong += [f"{lesson} world {world}: {why}"] if why else []
     runs = sum(map(len, by_world.values()))
     return (f"fp16 at a loss scale of 2^40, {OVERFLOW_STEPS} steps that overflow, against "
