@@ -15,9 +15,12 @@ precision (2 Psi / N bytes in bf16), and a unit's whole parameters and gradient 
     # 5b) my gradient shard, device -> host, as soon as its reduce-scatter is done (copy stream)
     # 6) the optimizer steps on the host: fp32 masters and moments (torch's foreach AdamW, CPU)
 
-Per step each rank copies Psi / N parameters up and Psi / N gradients down, in the working
-precision: DeepSpeed's "2x the model's size over PCIe every step", divided by N. Every unit is cut
-evenly over all ranks (06's shards), so every rank copies the same bytes at the same time.
+Per micro-step each rank copies Psi / N parameters up and Psi / N gradients down: up in fp32,
+down in the working precision. A non-blocking copy between host and device converts the dtype
+on the device, so the fp32 master crosses and is cast there, as FSDP2's CPUOffloadPolicy does
+(4 + 2 bytes per element in bf16; DeepSpeed's CPU Adam writes a 2-byte copy in its step for
+"2x the model's size over PCIe", 2 + 2). Every unit is cut evenly over all ranks (06's shards),
+so every rank copies the same bytes at the same time.
 `--layout uneven` runs the older layout instead, to measure it: each unit whole on one rank (as
 ZeRO-Offload's first chunk layouts and ColossalAI's before its even chunks), so the rank owning
 the largest units holds, copies and steps the most, and every other rank waits for it.
@@ -124,8 +127,10 @@ class ZeRO3Offload(zero3.ZeRO3):
     # ------------------------------------------------------------------ the copies
     def _copy(self, direction, dst, src):
         """dst.copy_(src), counted; returns what marks its end. On CUDA it runs on the copy
-        stream, asynchronously (pinned host memory); on the CPU it is a plain copy."""
-        self.copied[f"{direction}_bytes"] += dst.numel() * dst.element_size()
+        stream, asynchronously (pinned host memory); on the CPU it is a plain copy. Counted:
+        the host tensor's bytes, what crosses the bus (the device converts the dtype)."""
+        host = src if direction == "h2d" else dst
+        self.copied[f"{direction}_bytes"] += host.numel() * host.element_size()
         if self.copy_stream is None:
             t0 = time.perf_counter()
             dst.copy_(src)
@@ -170,7 +175,7 @@ class ZeRO3Offload(zero3.ZeRO3):
             #       device_params' dtype) through the counted copy above, and u.upload keeps what it
             #       returns (the copy's end, which the unit's all-gather waits for).
             for u in self.units:
-                u.upload = self._copy("h2d", u.device_params, u.shard)  # fp32 -> param_dtype
+                u.upload = self._copy("h2d", u.device_params, u.shard)  # fp32 up, cast on the device
             # ### END SOLUTION
         super()._pre_forward(unit, module, args)
 

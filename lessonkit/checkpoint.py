@@ -15,7 +15,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from lessonkit import reshard
+from lessonkit import lifecycle, reshard
 from lessonkit.reshard import CheckpointError
 
 FORMAT = 1
@@ -196,11 +196,11 @@ class Checkpointer:
     def __init__(self, args, env, strategy, module, holder, loss_scaler=None):
         self.args, self.env, self.strategy, self.module, self.holder = args, env, strategy, module, holder
         self.loss_scaler = loss_scaler if loss_scaler is not None and loss_scaler.enabled else None
+        self.say = (lambda line: print(line, flush=True)) if env.master else (lambda line: None)  # rank 0 speaks
 
     def resume(self):
-        """With --resume: load the newest complete checkpoint and return its step, the next step to run
-        (and the position in the data, indexed by step); else 0. --resume auto: the same if there is one,
-        else 0: one command serves a job's first run and torchrun's restarts of it (--max-restarts)."""
+        """With --resume: load the newest complete checkpoint, return its step (the next to run; the data is
+        indexed by step); else 0. auto: the same if there is one, else 0: a job's first run and its restarts."""
         a = self.args
         if not a.resume:
             if a.save_every and _steps(a.checkpoint_dir):  # --resume would later mix two runs' files
@@ -211,17 +211,19 @@ class Checkpointer:
         dist.broadcast_object_list(found, src=0)  # rank 0's: no rank starts fresh while others load
         self.path = found[0]
         if self.path is None and a.resume == "auto":
-            if self.env.master:
-                print(f"--resume auto: no complete checkpoint in {a.checkpoint_dir}: starting at step 0", flush=True)
+            self.say(f"--resume auto: no complete checkpoint in {a.checkpoint_dir}: starting at step 0")
             return 0
         if self.path is None:
             raise CheckpointError(f"--resume: no complete checkpoint in {a.checkpoint_dir}")
         meta = load(self.path, self.module, self.holder, check=self._check)
+        if meta["step"] >= a.steps:  # (_check let it through) --resume auto: a job that finished, restarted
+            self.say(f"--resume auto: {self.path} is at step {meta['step']}, --steps {a.steps}: the run has "
+                     "finished, nothing left to do")
+            lifecycle.exit_process(0)
         if self.loss_scaler is not None:  # the scale, growth tracker and skipped steps it stopped with
             self.loss_scaler.load_state_dict(meta["loss_scale"])
-        if self.env.master:
-            print(f"resumed from {self.path}: step {meta['step']}, saved at world size {meta['world_size']}, "
-                  f"now {self.env.world_size}", flush=True)
+        self.say(f"resumed from {self.path}: step {meta['step']}, saved at world size {meta['world_size']}, "
+                 f"now {self.env.world_size}")
         return meta["step"]
 
     def _check(self, meta):
@@ -232,9 +234,8 @@ class Checkpointer:
         differ = [f"{k} {theirs[k]} (checkpoint) != {ours[k]} (this run)" for k in ours if ours[k] != theirs[k]]
         if differ:
             raise CheckpointError(f"{self.path} does not match this run: {'; '.join(differ)}")
-        if meta["step"] >= self.args.steps:
-            raise CheckpointError(f"the newest checkpoint is at step {meta['step']}: nothing left to do "
-                                  f"with --steps {self.args.steps}")
+        if meta["step"] >= self.args.steps and self.args.resume != "auto":
+            raise CheckpointError(f"the newest checkpoint is at step {meta['step']}: nothing left to do with --steps {self.args.steps}")
 
     def maybe_save(self, step):
         """After `step` optimizer steps: save every --save-every steps (the last one too, if due)."""
@@ -246,5 +247,4 @@ class Checkpointer:
                     "data": {"next_step": step, "seed": a.seed, "global_batch": a.global_batch},
                     "loss_scale": self.loss_scaler and self.loss_scaler.state_dict()}  # fp16; else None
             save(path, step, self.module, self.holder, meta)
-            if self.env.master:
-                print(f"checkpoint {path} saved (world size {self.env.world_size})", flush=True)
+            self.say(f"checkpoint {path} saved (world size {self.env.world_size})")

@@ -14,10 +14,8 @@ from lessonkit.lifecycle import WATCHDOG_S, fail, restart_advice, say, start_hea
 from model import GPT, GPTConfig
 from scripts.perf import ring_collectives
 
-# Supported: torch 2.6 to 2.15 (2.13 is the tested default). The lessons call the collectives by
-# the names every one of them has, all_gather_into_tensor and reduce_scatter_tensor; from 2.13 on
-# those are aliases of all_gather_single / reduce_scatter_single (absent before 2.13), and 2.13
-# warns on every call (FutureWarning: deprecated). The one place that warning is silenced:
+# Supported: torch 2.6 to 2.15 (2.13 tested). The lessons call all_gather_into_tensor and reduce_scatter_tensor, which
+# every one has; 2.13 made them aliases of *_single (absent before) and warns on every call. Silenced here only:
 warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
 
 
@@ -68,12 +66,10 @@ def build_parser(description=""):
                    help="06: all-gather the next unit while this one computes")
     g.add_argument("--layout", choices=["even", "uneven"], default="even",
                    help="07: every unit cut evenly over all ranks, or each whole on one rank (the older layout)")
-    g.add_argument("--shard-group", type=int, default=None, metavar="G",
-                   help="08: shard over groups of G ranks (a node), replicate across them; must divide the "
-                        "world size (default: --ranks-per-node, else the world size: plain ZeRO-3)")
-    g.add_argument("--collectives", choices=["torch", "ring"], default=None,
-                   help="torch (default): the backend's own collectives; ring: lesson 00's ring of sends "
-                        "(scripts/perf/ring_collectives.py), whose bytes on the wire are the ZeRO paper's")
+    g.add_argument("--shard-group", type=int, default=None, metavar="G", help="08: shard over groups of G ranks (a node), "
+                   "replicate across them; G divides the world size (default: --ranks-per-node, else all: plain ZeRO-3)")
+    g.add_argument("--collectives", choices=["torch", "ring"], default=None, help="torch (default): the backend's own "
+                   "collectives; ring: lesson 00's ring of sends (ring_collectives.py), whose wire bytes are the ZeRO paper's")
     g.add_argument("--link", metavar="GBPS:LATENCY_US", default=None,
                    help="a simulated link for the ring (implies --collectives ring): each send costs "
                         "latency + bytes / bandwidth, e.g. 1:50 (1 Gb/s, 50 us); with --inter-link, inside a node")
@@ -106,23 +102,31 @@ def build_parser(description=""):
 def parse_args(argv=None, description=""):
     args = build_parser(description).parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    positive = ["steps", "global_batch", "grad_accum", "seq_len", "vocab_size", "n_layer", "d_model", "n_head", "log_every"]
-    for name in positive:
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    lesson = description[7:9] if description.startswith("Lesson ") else ""  # "Lesson 07: ..."
+    trains, a = "01 02 03 04 05 06 07 08", args  # a lesson's flag, given to another that would ignore it: refused
+    for flag, owners, given in (("--bucket-mb", "03 05", a.bucket_mb != 25), ("--prefetch", "06 07 08", a.prefetch != 1),
+                                ("--layout", "07", a.layout != "even"), ("--shard-group", "08", a.shard_group and not a.inter_link),
+                                ("--precision", trains, a.precision != "fp32"), ("--grad-accum", trains, a.grad_accum != 1),
+                                ("--activation-checkpointing", trains, a.activation_checkpointing != "none"),
+                                ("--checkpoint-dir", trains, a.checkpoint_dir)):
+        if lesson and given and lesson not in owners:
+            fail(f"{flag} is for lessons {'01-08' if owners == trains else owners} only: lesson {lesson} would ignore it")
+    for name, least in [(n, 1) for n in ("steps", "global_batch", "grad_accum", "seq_len", "vocab_size", "n_layer",
+                                         "d_model", "n_head", "log_every")] + [(n, 0) for n in ("weight_decay", "warmup_steps", "save_every")]:
+        if getattr(args, name) < least:  # (--save-every 0: never)
+            fail(f"--{name.replace('_', '-')} must be {'at least 1' if least else '0 or positive'}, got {getattr(args, name)}")
     if args.global_batch % (world * args.grad_accum):
         fail(f"--global-batch {args.global_batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")
     if args.d_model % args.n_head:
         fail(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     if args.lr <= 0 or args.bucket_mb <= 0 or args.grad_clip < 0 or args.timeout <= 0:
         fail("--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative")
-    for name in ("weight_decay", "warmup_steps", "save_every"):  # (--save-every 0: never)
-        if getattr(args, name) < 0:
-            fail(f"--{name.replace('_', '-')} must be 0 or positive, got {getattr(args, name)}")
     if args.loss_scale is not None and args.precision != "fp16":
         fail(f"--loss-scale {args.loss_scale:g}: only fp16 scales its loss (use it with --precision fp16)")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
+    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        fail(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory")
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
     for flag, spec in ((f, s) for f, s in (("--link", args.link), ("--inter-link", args.inter_link)) if s is not None):
         if args.collectives == "torch":
@@ -156,9 +160,8 @@ def choose_device(requested, ranks_here, gpus):
     if gpus >= max(ranks_here, 1):
         return "cuda", None
     if requested == "cuda":
-        if gpus == 0:
-            raise ValueError("--device cuda was asked for, but no CUDA GPU is available (use --device cpu)")
-        raise ValueError(f"--device cuda: {ranks_here} ranks on this node but only {gpus} GPUs; NCCL needs "
+        raise ValueError("--device cuda was asked for, but no CUDA GPU is available (use --device cpu)" if gpus == 0 else
+                         f"--device cuda: {ranks_here} ranks on this node but only {gpus} GPUs; NCCL needs "
                          f"one GPU per rank (--nproc_per_node={gpus}, or --device cpu)")
     why = "no CUDA GPU here" if gpus == 0 else (
         f"{ranks_here} ranks on this node but only {gpus} GPU{'s' if gpus > 1 else ''}, and NCCL needs "
@@ -172,10 +175,7 @@ class Dist:
     world_size: int
     device: torch.device
     backend: str
-
-    @property
-    def master(self):
-        return self.rank == 0
+    master = property(lambda self: self.rank == 0)
 
 
 def init_distributed(args) -> Dist:

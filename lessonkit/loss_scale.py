@@ -61,13 +61,15 @@ INIT_SCALE, GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL = 2.0 ** 16, 2.0, 0.5
 
 
 def power_of_two(text):
-    """--loss-scale's type (common.py): S = 2^k, so that x S and x 1/S are exact."""
+    """--loss-scale's type (common.py): S = 2^k, so that x S and x 1/S are exact; -126 <= k <= 127,
+    so that S and 1/S are finite fp32 numbers (the scale is an fp32 tensor; unscaling multiplies by 1/S)."""
     try:
         value = float(text)
     except ValueError:  # (one message for every bad value)
         value = math.nan
-    if not (math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5):
-        raise argparse.ArgumentTypeError(f"a power of two, such as 65536 or 1048576, got {text}")
+    k = math.frexp(value)[1] - 1 if math.isfinite(value) and value > 0 else None  # value = 2^k, if a power of two
+    if k is None or value != 2.0 ** k or not -126 <= k <= 127:
+        raise argparse.ArgumentTypeError(f"a power of two from 2^-126 to 2^127, such as 65536 or 1048576, got {text}")
     return value
 
 

@@ -83,9 +83,10 @@ def test_one_shard_up_and_one_gradient_shard_down_per_micro_step(world):
     shard = sum(padded(n, world) // world for n in numels)
     for key, b, micro_steps in (("main", 4, 1), ("bf16", 2, 2)):
         for copies in results(world)[0][key]["report"]["copies_per_rank"]:
-            # up: every unit's shard at each micro-step's forward; down: each micro-step's
-            # reduce-scattered shard, in the dtype it was reduced in
-            assert copies["h2d_bytes"] == micro_steps * shard * b, key
+            # up: every unit's fp32 shard at each micro-step's forward (cast on the device: what
+            # crosses is the host tensor); down: each micro-step's reduce-scattered shard, in the
+            # dtype it was reduced in
+            assert copies["h2d_bytes"] == micro_steps * shard * 4, key
             assert copies["d2h_bytes"] == micro_steps * shard * b, key
 
 

@@ -38,11 +38,14 @@ BAD = [
     (["--shard-group", "0"], "--shard-group 0 must be at least 1 and divide world size 1"),
     (["--inter-link", "1:50"], "--inter-link needs nodes: --ranks-per-node G (08: its --shard-group G is the node)"),
     (["--ranks-per-node", "1"], "--ranks-per-node 1 needs --inter-link"),
-    (["--loss-scale", "1000", "--precision", "fp16"], "argument --loss-scale: a power of two, such as 65536 or 1048576, got 1000"),
-    (["--loss-scale", "0"], "argument --loss-scale: a power of two, such as 65536 or 1048576, got 0"),
+    (["--loss-scale", "1000", "--precision", "fp16"], "argument --loss-scale: a power of two from 2^-126 to 2^127, such as 65536 or 1048576, got 1000"),
+    (["--loss-scale", "0"], "argument --loss-scale: a power of two from 2^-126 to 2^127, such as 65536 or 1048576, got 0"),
     (["--loss-scale", "-1024"], "argument --loss-scale: a power of two"),
     (["--loss-scale", "inf"], "argument --loss-scale: a power of two"),
-    (["--loss-scale", "big"], "argument --loss-scale: a power of two, such as 65536 or 1048576, got big"),
+    (["--loss-scale", "7.174648137343064e-43"], "a power of two from 2^-126 to 2^127"),  # 2^-140: 1/S is inf in fp32
+    (["--loss-scale", str(2.0 ** 128)], "a power of two from 2^-126 to 2^127"),  # inf as fp32
+    (["--loss-scale", "big"], "argument --loss-scale: a power of two from 2^-126 to 2^127, such as 65536 or 1048576, got big"),
+    (["--checkpoint-dir", __file__], f"--checkpoint-dir {__file__} is a file, not a directory"),
     (["--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss (use it with --precision fp16)"),
     (["--precision", "bf16", "--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss"),
 ]
@@ -98,6 +101,29 @@ def test_every_lesson_parses_the_shared_flags(name, monkeypatch, capsys):
     # 02-08 reject an unknown precision as 01 does (their main() parses with common.parse_args)
     from scripts.runs import load_lesson
     assert "invalid choice: 'fp8'" in error_of(load_lesson(name).main, ["--precision", "fp8"], monkeypatch, capsys)
+
+
+# a lesson's own flag given to another lesson, which would ignore it (and 00 trains nothing)
+@pytest.mark.parametrize("name, flags, msg", [
+    ("06_zero3", ["--layout", "uneven"], "--layout is for lessons 07 only: lesson 06 would ignore it"),
+    ("04_zero1", ["--bucket-mb", "1"], "--bucket-mb is for lessons 03 05 only: lesson 04 would ignore it"),
+    ("02_async_allreduce", ["--prefetch", "0"], "--prefetch is for lessons 06 07 08 only: lesson 02 would ignore it"),
+    ("07_offload", ["--shard-group", "1"], "--shard-group is for lessons 08 only: lesson 07 would ignore it"),
+    ("00_collectives", ["--precision", "bf16"], "--precision is for lessons 01-08 only: lesson 00 would ignore it"),
+    ("00_collectives", ["--grad-accum", "2"], "--grad-accum is for lessons 01-08 only"),
+    ("00_collectives", ["--activation-checkpointing", "block"], "--activation-checkpointing is for lessons 01-08 only"),
+    ("00_collectives", ["--checkpoint-dir", "ckpt"], "--checkpoint-dir is for lessons 01-08 only"),
+])
+def test_a_flag_the_lesson_would_ignore_is_refused(name, flags, msg, monkeypatch, capsys):
+    from scripts.runs import load_lesson
+    assert msg in error_of(load_lesson(name).main, flags, monkeypatch, capsys)
+
+
+def test_each_lesson_takes_its_own_flags():
+    from lessonkit import common
+    for lesson, flags in (("03", ["--bucket-mb", "1"]), ("08", ["--prefetch", "0", "--shard-group", "1"]),
+                          ("07", ["--layout", "uneven", "--prefetch", "0"]), ("01", ["--precision", "bf16"])):
+        common.parse_args(flags, description=f"Lesson {lesson}: x")
 
 
 @pytest.mark.parametrize("flags, msg", [

@@ -83,6 +83,11 @@ def runs(tmp_path_factory):
     out["log1"] = finished(torchrun(1, [lesson_file("03_buckets")],
                                     ["--steps", "8", "--checkpoint-dir", ckpt, "--report", report1]))
     out["report1"] = json.load(open(report1))
+    # and once more, the job already finished (a restart after its last save): nothing to do, exit 0
+    again = subprocess.run([sys.executable, lesson_file("03_buckets"), *ARGV, "--resume", "auto", "--save-every", "2",
+                            "--steps", "8", "--checkpoint-dir", ckpt], cwd=ROOT, env=ENV, text=True, capture_output=True,
+                           timeout=120)
+    out["again"] = (again.returncode, again.stdout, again.stderr)
     return out
 
 
@@ -124,6 +129,15 @@ def test_resumes_at_a_smaller_world_size(runs):
     assert report["world_size"] == 1 and report["resumed_from"] == 6
     close({"losses": report["losses"], "params": consolidate(step_dir(ckpt, 8))},
           {"losses": runs["ref"]["losses"][6:8], "params": consolidate(step_dir(runs["ref_dir"], 8))})
+
+
+def test_a_finished_job_restarted_has_nothing_to_do_and_exits_0(runs):
+    # (plain --resume still refuses it: test_checkpoint's test_refusals_name_the_problem)
+    code, out, err = runs["again"]
+    assert code == 0, err
+    assert f"--resume auto: {step_dir(runs['ckpt'], 8)} is at step 8, --steps 8: the run has finished, nothing " \
+           "left to do" in out.splitlines(), out
+    assert not any(line.startswith("step ") for line in out.splitlines()), out
 
 
 def test_plain_resume_still_needs_a_checkpoint(runs):

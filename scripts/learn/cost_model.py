@@ -325,12 +325,13 @@ def memory(w, stage, world):
 
 
 def offload_copies(w, world, host, fwd, bwd, share):
-    """07's copies over PCIe, in seconds: (up, down, exposed). Up: every unit's shard, queued at
-    forward's start in unit order, a unit's forward waiting for its own; down: each block's
-    gradient shard once its backward is over, the root's (the embedding) last, after backward.
-    H2D and D2H are separate engines; the copies run beside the compute, not on its time."""
+    """07's copies over PCIe, in seconds: (up, down, exposed). Up: every unit's fp32 master shard
+    (cast on the device, as FSDP2's offload), queued at forward's start in unit order, a unit's
+    forward waiting for its own; down: each block's gradient shard once its backward is over, the
+    root's (the embedding) last, after backward. H2D and D2H are separate engines; the copies run
+    beside the compute, not on its time."""
     sizes = [u / world for u in _units(w.model)]
-    up = [n * _elem(w) / host.pcie for n in sizes]
+    up = [n * 4 / host.pcie for n in sizes]  # fp32 crosses: a non-blocking copy converts on the device
     down = [n * (w.reduce_bytes or _elem(w)) / host.pcie for n in sizes]
     copied = done = 0.0
     for i, s in enumerate(up):  # forward, unit by unit
