@@ -27,7 +27,8 @@ the step each bucket is all-gathered. Communication is the same as in 01 and 04:
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 05_zero2.py         # 2 nodes, run on each
 
-PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)`; DeepSpeed: ZeRO stage 2.
+PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)` (the same communication, not the
+same memory: ZeRO-3's shards at rest, and every unit's whole parameters from forward to backward); DeepSpeed: ZeRO stage 2.
 
 Gradient accumulation (--grad-accum K): this lesson reduce-scatters on every micro-step and adds my
 slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do. In bf16, micro-steps'

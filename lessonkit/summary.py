@@ -75,8 +75,9 @@ def print_summary(r):
               + copies_hidden(c, r["device"]), flush=True)
         each = [x["h2d_bytes"] for x in r["copies_per_rank"]]
         if max(each) > min(each):  # 07 --layout uneven: the busiest rank sets everyone's pace
-            print(f"  copies per rank, host->device MiB: {' | '.join(f'{b / mib:.2f}' for b in each)} "
-                  f"(uneven: the others wait for rank {each.index(max(each))})", flush=True)
+            print(f"  copies per rank, host->device MiB: {' | '.join(f'{b / mib:.2f}' for b in each)} (uneven: rank "
+                  f"{each.index(max(each))} copies {max(each) / (sum(each) / len(each)):.2f}x the even share, and "
+                  "steps as much more on its host)", flush=True)
     if m.get("cuda_step_peak") is not None:  # everything the step allocated: activations too
         held = sum(m.get(k, 0) for k in ("params", "grads", "optimizer"))
         act = m.get("peak_activations") is not None and f" | activations {m['peak_activations'] / mib:.2f} (above)"

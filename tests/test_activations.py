@@ -1,6 +1,6 @@
-"""Activation memory and --activation-checkpointing block, in 01 and 04-07 at 2 ranks: the losses
+"""Activation memory and --activation-checkpointing block, in 01 and 04-08 at 2 ranks: the losses
 and weights are unchanged bit for bit in fp32 (the recomputation repeats the same operations on
-the same inputs), the bytes sent are unchanged (06 and 07 recompute inside the unit's backward,
+the same inputs), the bytes sent are unchanged (06, 07 and 08 recompute inside the unit's backward,
 while it is gathered), and the activation bytes measured (lessonkit/memory_ledger.Peaks: each
 storage forward or a recomputation creates, from its creation until it is freed) equal the
 formula of theory.theory_activations to the byte, with and without checkpointing, fp32 and bf16.
@@ -13,8 +13,9 @@ from harness import held, launches, run_lesson
 from lessonkit.theory import theory_activations
 
 # 02 and 03 run 01's forward and backward (only their gradients' all-reduces move): the fuzzer
-# draws checkpointing for them (and 08) in every case; here the suite's budget keeps 01 for the three
-LESSONS = ["01_vanilla_dp", "04_zero1", "05_zero2", "06_zero3", "07_offload"]
+# draws checkpointing for them in every case; here the suite's budget keeps 01 for the three. 08 at
+# 2 ranks is one shard group of 2: its gathers around the recompute, as 06's
+LESSONS = ["01_vanilla_dp", "04_zero1", "05_zero2", "06_zero3", "07_offload", "08_hybrid"]
 # one step (its weights after it: backward checked too) of 2 micro-steps of 4 rows per rank, measured
 ARGV = ["--steps", "1", "--measure-step", "0", "--n-layer", "3", "--d-model", "32", "--n-head", "2",
         "--seq-len", "16", "--global-batch", "16", "--grad-accum", "2", "--log-every", "100"]
@@ -46,7 +47,7 @@ def test_checkpointing_changes_neither_losses_nor_weights_nor_bytes_sent(lesson)
     comm = [results(2)[0][lesson, mode]["report"]["comm"] for mode in ("none", "block")]  # (rank 0's report)
     assert comm[0]["issued_ring_bytes_per_step"] == comm[1]["issued_ring_bytes_per_step"]
     assert comm[0]["calls"] == comm[1]["calls"]  # the same collectives, sizes and order
-    if lesson in ("06_zero3", "07_offload"):  # ZeRO-3's 3 Psi (N - 1) / N: no gather added for the recompute
+    if lesson in ("06_zero3", "07_offload", "08_hybrid"):  # ZeRO-3's 3 Psi (N - 1) / N: no gather added for the recompute
         comm = results(2)[0][lesson, "block"]["report"]["comm"]
         assert comm["issued_ring_bytes_per_step"] == pytest.approx(comm["theory_ring_bytes_per_step"], rel=1e-3)
 

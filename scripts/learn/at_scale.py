@@ -270,9 +270,9 @@ def calibrate():
             "measured_step_s": {name: statistics.median(reports[name]["step_time_s"][2:]) for name in lessons}}
     cal["seconds"] = time.time() - t0
     cal["rows"] = predict(cal, cores)
+    cal["activations"] = check_activations()  # saved with the rest: the printed error, kept
     with open(os.path.join(OUT, "calibration.json"), "w") as f:
         json.dump(cal, f, indent=1)
-    cal["activations"] = check_activations()
     print(calibration_table(cal))
     print(activations_table(cal["activations"]))
     print(f"({cal['seconds']:.0f} s; written to {os.path.relpath(OUT, ROOT)}/calibration.json)")
