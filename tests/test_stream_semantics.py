@@ -41,6 +41,10 @@ CASES = {
     # 2 ranks as two replicas of one shard: 5b)'s async all-reduce of each gradient shard
     "08_replicas": ("08_hybrid", ZERO3 + ACCUM + ["--shard-group", "1"]),
 }
+# 08 on a 2 x 2 grid (a launch of 4 ranks): the shard group's gathers and reduce-scatters and the
+# replicate group's all-reduce of each gradient shard, all async, in flight together
+GRID = {"08_2x2_accum": ("08_hybrid", ZERO3 + ACCUM + ["--shard-group", "2"]),
+        "08_2x2_bf16_no_prefetch": ("08_hybrid", ZERO3 + BF16 + ["--shard-group", "2", "--prefetch", "0"])}
 # --collectives ring (scripts/perf/ring_collectives.py): the same lessons on the ring's thread
 # and handles, the stand-in wrapped around the ring's functions (installed first: _ring_installed)
 RING = ["--collectives", "ring"]
@@ -209,6 +213,8 @@ def harness_itself():
 
 
 def suite(world):
+    if world == 4:
+        return {name: twice(lambda: run_lesson(lesson, argv)) for name, (lesson, argv) in GRID.items()}
     out = {}
     for name, (lesson, argv) in CASES.items():
         with _ring_installed(name.endswith("_ring")):
@@ -235,7 +241,7 @@ def _ring_installed(ring):
         ring_collectives.use("torch")
 
 
-results = launches(suite)  # one launch (2 ranks) for the whole file
+results = launches(suite)  # one launch of 2 ranks for the whole file, and one of 4 for GRID
 
 
 # ----------------------------------------------------------------------------- the lessons
@@ -246,9 +252,9 @@ def same_bits(a, b):
         assert torch.equal(a["params"][name], b["params"][name]), name
 
 
-@pytest.mark.parametrize("case", [*CASES, *TOYS])
-def test_lesson_runs_clean_under_nccl_semantics_with_the_same_bits(case):
-    for rank, out in enumerate(results(2)):
+@pytest.mark.parametrize("world, case", [(2, case) for case in [*CASES, *TOYS]] + [(4, case) for case in GRID])
+def test_lesson_runs_clean_under_nccl_semantics_with_the_same_bits(world, case):
+    for rank, out in enumerate(results(world)):
         assert "error" not in out[case], f"rank {rank}, {case}: {out[case].get('error')}"
         same_bits(out[case]["checked"], out[case]["plain"])
         if out[case]["plain"].get("report"):  # (rank 0's) CommMeter, inside the harness, counted the same
