@@ -88,7 +88,9 @@ def table(reports, steps, nproc):
             host = [fmt(device_and_host(m)[1]), fmt(sum(tiers["host"].values()))]
             m, th = m["device"], tiers["device"]
         ov = r["comm"]["overlap"] or {}
-        rows.append(line([lesson.replace("_zero3 --prefetch 0", "_no_prefetch"), f"{loss:.4f}",
+        name = lesson.replace("_zero3 --prefetch 0", "_no_prefetch")
+        name += f"_G={r['config']['shard_group']}" if r["strategy"] == "hybrid" else ""  # 08's grid: G per node
+        rows.append(line([name, f"{loss:.4f}",
                           CHECK if round(loss, 4) == ref else CROSS, f"{1e3 * statistics.median(r['step_time_s']):.1f}",
                           *(f"{ov[k]:.1f}" if k in ov else "n/a" for k in ("comm_ms", "exposed_ms")),
                           fmt(r["comm"]["issued_ring_bytes_per_step"]), fmt(r["comm"]["theory_ring_bytes_per_step"]),
