@@ -29,6 +29,8 @@ all-reduced over all N ranks (a flag counted R times is still raised): after 5b)
 shard is in my replicas' too, but every rank's verdict is the rule that needs no such argument.
 With K micro-steps, 5b) runs at each (3 K Psi (G-1)/G and 2 K (Psi/G)(R-1)/R), as FSDP2 does
 unless told set_requires_all_reduce.
+G defaults to the node, torchrun's LOCAL_WORLD_SIZE: on one node that is N, and 08 runs as 06;
+on 2 nodes of 8 GPUs, G = 8 without a flag.
 G = N is 06 exactly (the replicate groups hold one rank each); G = 1 is replication, DDP's
 all-reduce of the whole gradient (Psi/1), with the gathers and reduce-scatters over one rank
 copying.
@@ -52,13 +54,14 @@ Relatives, each in a paragraph:
     torchrun --nproc_per_node=4 08_hybrid.py --shard-group 2 \\
              --link 10:5 --inter-link 0.5:100                        # 2 x 2 on 00's ring, a slow link between "nodes"
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
-             --rdzv-endpoint=HOST:29500 08_hybrid.py --shard-group 8 # shard in each node, run on each
+             --rdzv-endpoint=HOST:29500 08_hybrid.py                 # shard in each node (G = 8), run on each
 
 PyTorch: FSDP2 `fully_shard(block, mesh=init_device_mesh(device, (R, G), mesh_dim_names=("replicate",
 "shard")))` for each block, then the root (FSDP1: ShardingStrategy.HYBRID_SHARD); DeepSpeed: MiCS.
 """
 import functools
 import importlib
+import os
 from datetime import timedelta
 
 import torch
@@ -149,7 +152,9 @@ def build_model(args, env, groups):
 def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
-    groups = hybrid_groups(args.shard_group or env.world_size, args.timeout)  # the R x G grid
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))  # torchrun's ranks per node: G's default
+    args.shard_group = args.shard_group or (node if node and env.world_size % node == 0 else env.world_size)
+    groups = hybrid_groups(args.shard_group, args.timeout)  # the R x G grid
     model = build_model(args, env, groups)
     # any optimizer, over my shards (Psi / G), as over FSDP2's (weight decay: the matrices' shards)
     optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))

@@ -67,7 +67,7 @@ def build_parser(description=""):
     g.add_argument("--layout", choices=["even", "uneven"], default="even",
                    help="07: every unit cut evenly over all ranks, or each whole on one rank (the older layout)")
     g.add_argument("--shard-group", type=int, default=None, metavar="G", help="08: shard over groups of G ranks (a node), "
-                   "replicate across them; G divides the world size (default: --ranks-per-node, else all: plain ZeRO-3)")
+                   "replicate across them; G divides the world size (default: --ranks-per-node, else torchrun's node)")
     g.add_argument("--collectives", choices=["torch", "ring"], default=None, help="torch (default): the backend's own "
                    "collectives; ring: lesson 00's ring of sends (ring_collectives.py), whose wire bytes are the ZeRO paper's")
     g.add_argument("--link", metavar="GBPS:LATENCY_US", default=None,

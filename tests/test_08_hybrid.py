@@ -5,6 +5,7 @@ and its memory against the formulas, measured. G ranks per shard group, R = N / 
 4 ranks as G = 2 x R = 2 (the grid the lesson is about), also on lesson 00's ring over two
 simulated nodes (--inter-link), beside 06 on the same nodes; 2 ranks as G = 2, R = 1 (one group:
 06, bit for bit) and G = 1, R = 2 (one rank per group: replication, DDP's all-reduce)."""
+import os
 import statistics
 
 import pytest
@@ -29,8 +30,9 @@ GLOO_HEADER = 144  # bytes gloo writes beside each send's payload (test_ring_col
 
 def suite(world):
     """Every run 08 is checked on at this world size, in one launch."""
-    if world == 4:  # 2 x 2
-        return {"G2_R2": run_lesson(LESSON, ARGV + ["--shard-group", "2"]),
+    if world == 4:  # 2 x 2: G2_R2 without --shard-group, on two "nodes" of 2 (08's default G: the node)
+        os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun --nnodes 2 --nproc_per_node 2 sets it
+        return {"G2_R2": run_lesson(LESSON, ARGV),
                 "hsdp": gpt_train("fsdp2_hsdp", ARGV, shard_group=2),
                 # tied, frozen, unused and 119 elements (padded), ranks starting apart, 3 micro-steps
                 "toy": toy_train(build, "08", grad_accum=3, different_init=True, shard_group=2),
@@ -72,6 +74,13 @@ def link(report, name):
 @pytest.mark.parametrize("world, key, g", RUNS)
 def test_matches_single_process(world, key, g):
     all_close(reference(ARGV), results(world), (key,), TOL)
+
+
+def test_without_a_flag_the_shard_group_is_the_node():
+    # torchrun's LOCAL_WORLD_SIZE 2 at world 4 (two nodes): G = 2, not plain ZeRO-3 over all 4;
+    # on one node (G2_R1: LOCAL_WORLD_SIZE = world) G = N, and 08 is 06 (test below)
+    assert results(4)[0]["G2_R2"]["report"]["config"]["shard_group"] == 2
+    assert results(2)[0]["G2_R1"]["report"]["config"]["shard_group"] == 2
 
 
 def test_2x2_matches_fsdp2_hsdp_and_the_edge_cases():
