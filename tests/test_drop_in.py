@@ -121,7 +121,7 @@ TOL4 = dict(rtol=1e-5, atol=1e-6)
 
 @pytest.mark.parametrize("world", [2])
 @pytest.mark.parametrize("lesson", ["01", "02", "03"])
-def test_ddp_loop_runs_01_02_03_unchanged(world, lesson):
+def test_ddp_loop_runs_02_03_unchanged_and_01_with_its_one_call(world, lesson):
     for rank_out in replicated(world):
         for opt_name in OPTIMIZERS:
             for to_none in (True, False):
