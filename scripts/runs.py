@@ -18,7 +18,7 @@ FP16_LESSONS = list(LESSONS)
 
 def grid_args(script, nproc, args=()):
     """08's grid when the caller names none: two "nodes" of nproc / 2 ranks (1 x 1 alone), so a
-    tool's 08 row shows hybrid sharding, not 08's default of one group (06)."""
+    tool's 08 row shows hybrid sharding, not 08's default on one node: one group (06)."""
     if script != "08_hybrid" or "--shard-group" in map(str, args):
         return []
     return ["--shard-group", str(nproc // 2 if nproc % 2 == 0 else nproc)]
