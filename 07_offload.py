@@ -23,7 +23,8 @@ on the device, so the fp32 master crosses and is cast there, as FSDP2's CPUOfflo
 so every rank copies the same bytes at the same time.
 `--layout uneven` runs the older layout instead, to measure it: each unit whole on one rank (as
 ZeRO-Offload's first chunk layouts and ColossalAI's before its even chunks), so the rank owning
-the largest units holds, copies and steps the most, and every other rank waits for it.
+the largest units holds, copies and steps the most: where the copies cross PCIe, it sets
+everyone's pace (the summary prints its share; this CPU's memory copies do not show the wait).
 
 On CUDA the host tier is pinned memory, so the copies are asynchronous DMA beside the kernels,
 and the summary says how much of the copy time was hidden: CUDA events time how long a gather
