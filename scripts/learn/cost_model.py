@@ -82,9 +82,11 @@ class Link:
 @dataclass(frozen=True)
 class Host:
     """What 07 (offload) uses beside each GPU: PCIe, bytes/s each way, and the CPU's AdamW,
-    parameters/s, that GPU's share of the host's cores."""
+    parameters/s, that GPU's share of the host's cores; a copy costs pcie_latency + bytes / pcie
+    (an alpha-beta link, as the collectives': the alpha, a copy's launch and DMA set-up, assumed)."""
     pcie: float
     adam: float
+    pcie_latency: float = 10e-6
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,8 @@ EFFICIENCY = 0.40
 # Measured on one H100 of this project's (docs/gpus.md, make gpu-check): 07 copied 113.5 MiB up in
 # 2.3 ms over PCIe Gen5 x16, ~52 GB/s (64 GB/s line rate); its CPU AdamW (torch's foreach, 16
 # cores) stepped 29.7M parameters in ~33 ms, ~0.9e9 parameters/s, taken here as one GPU's share
-# of its host. A100: PCIe Gen4 x16, half the line rate; the same CPU. Assumptions, not datasheets.
+# of its host. A100: PCIe Gen4 x16, half the line rate; the same CPU. A copy's alpha, 10 us (Host's
+# default), is not measured: a cudaMemcpyAsync's launch and set-up. Assumptions, not datasheets.
 HOSTS = {"gen5": Host(pcie=52e9, adam=0.9e9), "gen4": Host(pcie=26e9, adam=0.9e9)}
 
 
@@ -331,8 +334,8 @@ def offload_copies(w, world, host, fwd, bwd, share):
     root's (the embedding) last, after backward. H2D and D2H are separate engines; the copies run
     beside the compute, not on its time."""
     sizes = [u / world for u in _units(w.model)]
-    up = [n * 4 / host.pcie for n in sizes]  # fp32 crosses: a non-blocking copy converts on the device
-    down = [n * (w.reduce_bytes or _elem(w)) / host.pcie for n in sizes]
+    up = [host.pcie_latency + n * 4 / host.pcie for n in sizes]  # fp32 crosses: cast on the device
+    down = [host.pcie_latency + n * (w.reduce_bytes or _elem(w)) / host.pcie for n in sizes]
     copied = done = 0.0
     for i, s in enumerate(up):  # forward, unit by unit
         copied += s
