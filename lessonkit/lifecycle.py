@@ -58,7 +58,7 @@ def restart_advice():
 # this rank itself (DP_WATCHDOG=1 turns the watch on for gloo too: the tests use it).
 HEARTBEAT_S = 1.0
 WATCHDOG_S = 10.0
-TEARDOWN_S = 5.0  # the most a clean exit waits for the process group's teardown
+TEARDOWN_S = 5.0  # the most a clean exit waits for NCCL's teardown (gloo's: none, exit_process)
 _heartbeat = None
 # One line per rank: the first thread to see the failure takes this lock and reports it; a later
 # one (a SIGTERM during the report included) leaves the exit to it.
@@ -134,7 +134,7 @@ def exit_process(code=0):
                 leaving_on_purpose(_store, _rank)
             # NCCL's communicators, destroyed (bounded); gloo's sockets close with the process.
             # (torch 2.6's gloo teardown can block for good holding the GIL once a peer has left,
-            # so that not even a thread's timeout returns: 07 at 2 ranks, 3 runs in 4 here.)
+            # so that not even a thread's timeout returns: 07 at 2 ranks, 4 runs in 15 here.)
             if dist.get_backend() == "nccl":
                 teardown = threading.Thread(target=_destroy_quietly, daemon=True)
                 teardown.start()

@@ -142,11 +142,11 @@ def test_prefetch_hides_what_no_prefetch_exposes():
 
 def test_offload_keeps_the_bf16_shard_on_the_device_and_pays_the_cpus_optimizer():
     # 07 on paper: the device keeps 2 Psi / N, the host 16 Psi / N; each unit's shard crosses
-    # PCIe up (its fp32 master, cast on the device) and its bf16 gradient shard down once a step.
-    # Compute-bound at 64 H100s, a block's copy
-    # hides behind the compute beside it, and what shows is what has none: the root's upload (the
-    # embeddings), before forward can start, and after backward the first block's download and
-    # the root's, reduced last
+    # PCIe up (its fp32 master, cast on the device) and its bf16 gradient shard down once a step,
+    # each copy alpha + bytes / beta. Compute-bound at 64 H100s, a block's copy hides behind the
+    # compute beside it, and what shows is what has none: the root's upload (the embeddings),
+    # before forward can start, and after backward the first block's download and the root's,
+    # reduced last
     w, c, n = Workload(MODELS["llama3-8b"], 2, 8192, "selective"), CLUSTERS["h100"], 64
     z3, off = step(w, STAGES["zero3"], n, c), step(w, STAGES["zero3-offload"], n, c)
     psi, root = w.model.params, w.model.root
