@@ -1,8 +1,11 @@
 """--trace and the overlap line: observed from outside the lessons (comm_meter.py), so checked here
 on real runs of 01 (blocking all-reduces) and 03 (small buckets, async)."""
+import contextlib
 import functools
+import io
 import json
 import os
+import sys
 import tempfile
 
 from harness import run_lesson, spawn
@@ -28,6 +31,22 @@ def test_trace_files_per_rank_and_timeline():
         with open(os.path.join(trace_dir, f"trace_rank{rank}.json")) as f:
             assert json.load(f)["traceEvents"]
     assert os.path.getsize(os.path.join(trace_dir, "timeline.png")) > 0
+
+
+def without_matplotlib(trace_dir):
+    """In a rank: 01 traced where matplotlib cannot be imported (a lesson needs torch only)."""
+    sys.modules["matplotlib"] = None  # `import matplotlib` now raises ImportError
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run_lesson("01_vanilla_dp", ARGV + ["--trace", trace_dir])
+    return out.getvalue()
+
+
+def test_without_matplotlib_the_traces_are_written_and_the_timeline_skipped_in_one_line():
+    trace_dir = tempfile.mkdtemp(prefix="trace_")
+    printed = spawn(1, without_matplotlib, trace_dir)[0]
+    assert f"--trace: {trace_dir}/timeline.png not drawn: matplotlib is not installed" in printed
+    assert os.listdir(trace_dir) == ["trace_rank0.json"]
 
 
 def test_blocking_all_reduce_hides_nothing():

@@ -73,8 +73,15 @@ class Trace:
         return timeline(self.run.comm, self.phases)
 
     def plot(self, timelines, strategy):
-        if None not in timelines:  # NCCL: no rank's step on the CPU clock
-            plot_timeline(timelines, strategy, f"{self.run.args.trace}/timeline.png")
+        path = f"{self.run.args.trace}/timeline.png"
+        if None in timelines:  # NCCL: no rank's step on the CPU clock
+            return
+        try:
+            import matplotlib  # noqa: F401  (the .venv has it; a lesson needs torch only)
+        except ImportError:
+            print(f"--trace: {path} not drawn: matplotlib is not installed (the traces are written)")
+            return
+        plot_timeline(timelines, strategy, path)
 
 
 def gpu_overlap(trace_path):
