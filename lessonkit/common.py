@@ -113,14 +113,14 @@ def parse_args(argv=None, description=""):
             fail(f"{flag} is for lessons {'01-08' if owners == trains else owners} only: lesson {lesson} would ignore it")
     for name, least in [(n, 1) for n in ("steps", "global_batch", "grad_accum", "seq_len", "vocab_size", "n_layer",
                                          "d_model", "n_head", "log_every")] + [(n, 0) for n in ("weight_decay", "warmup_steps", "save_every")]:
-        if getattr(args, name) < least:  # (--save-every 0: never)
-            fail(f"--{name.replace('_', '-')} must be {'at least 1' if least else '0 or positive'}, got {getattr(args, name)}")
+        if not least <= getattr(args, name) < float("inf"):  # (--save-every 0: never; nan and inf fail too)
+            fail(f"--{name.replace('_', '-')} must be {'at least 1' if least else '0 or positive'} and finite, got {getattr(args, name)}")
     if args.global_batch % (world * args.grad_accum):
         fail(f"--global-batch {args.global_batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")
     if args.d_model % args.n_head:
         fail(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
-    if args.lr <= 0 or args.bucket_mb <= 0 or args.grad_clip < 0 or args.timeout <= 0:
-        fail("--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative")
+    if not (all(0 < x < float("inf") for x in (args.lr, args.bucket_mb, args.timeout)) and 0 <= args.grad_clip < float("inf")):
+        fail("--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative (finite numbers: not nan or inf)")
     if args.loss_scale is not None and args.precision != "fp16":
         fail(f"--loss-scale {args.loss_scale:g}: only fp16 scales its loss (use it with --precision fp16)")
     if (args.resume or args.save_every) and not args.checkpoint_dir:

@@ -1,5 +1,6 @@
 """Launch lessons with torchrun and read their JSON reports (used by the demo, the benchmark,
 the figures and the notebooks). Not part of any lesson."""
+import argparse
 import importlib.util
 import json
 import os
@@ -14,6 +15,20 @@ LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_
 # the lessons that take --precision fp16 (all of them; a lesson added later joins when it does):
 # for every tool that runs fp16 (the GPU check, the demo) and for the differential fuzzer
 FP16_LESSONS = list(LESSONS)
+
+
+def at_least(low, kind=int):
+    """An argparse type for a tool's counts and limits: a `kind`, at least `low` and finite (nan,
+    which compares false with everything, fails too); argparse prints the one-line error."""
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not low <= x < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be at least {low:g} (and finite), got {text}")
+        return x
+    return parse
 
 
 def grid_args(script, nproc, args=()):

@@ -118,9 +118,11 @@ def test_command_line(capsys):
     zero_calc.main(["--table1"])
     out = capsys.readouterr().out
     assert "0.47" in out and "15.6" in out and "16,000" in out
-    with pytest.raises(SystemExit) as e:
-        zero_calc.main(["--fit", "32 apples"])
-    assert e.value.code == 2
+    for bad in (["--fit", "32 apples"], ["--params", "1e9", "--k", "nan"], ["--params", "1e9", "--k", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            zero_calc.main(bad)
+        assert e.value.code == 2, bad
+    assert "argument --k: must be at least 0 (and finite), got nan" in capsys.readouterr().err
 
 
 def test_command_line_runs_as_a_script():

@@ -27,6 +27,15 @@ BAD = [
     (["--global-batch", "7", "--grad-accum", "2"], "--global-batch 7 must be divisible by world size 1 x --grad-accum 2"),
     (["--device", "cuda"], "no CUDA GPU is available"),
     (["--steps", "0"], "--steps must be at least 1"),
+    # nan compares false with everything: each bound is written so that it fails there too
+    (["--weight-decay", "nan"], "--weight-decay must be 0 or positive and finite, got nan"),
+    (["--weight-decay", "inf"], "--weight-decay must be 0 or positive and finite, got inf"),
+    (["--lr", "nan"], "--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative (finite numbers"),
+    (["--lr", "inf"], "--lr, --bucket-mb and --timeout must be positive"),
+    (["--grad-clip", "nan"], "--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative"),
+    (["--grad-clip", "-0.5"], "--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative"),
+    (["--bucket-mb", "nan"], "--lr, --bucket-mb and --timeout must be positive"),
+    (["--timeout", "inf"], "--lr, --bucket-mb and --timeout must be positive"),
     (["--n-head", "3"], "--d-model 128 must be divisible by --n-head 3"),
     (["--link", "1"], "--link '1': expected GBPS:LATENCY_US, e.g. 1:50"),
     (["--link", "fast:50"], "--link 'fast:50': expected GBPS:LATENCY_US"),
@@ -175,3 +184,25 @@ def test_help_keeps_the_launch_commands_and_explains_every_flag():
     groups = [g.title for g in parser._action_groups if g._group_actions]
     assert groups[-5:] == ["data and model", "optimisation", "communication", "checkpoints (checkpoint.py)",
                            "run-time and measurement"]
+
+
+# the tools' counts and limits (scripts.runs.at_least): a zero, a negative, nan or a word is one
+# argparse line and exit 2, before anything starts (each once crashed, hung or ran with a default)
+@pytest.mark.parametrize("tool, argv, msg", [
+    ("scripts.learn.demo", ["--nproc", "0"], "argument --nproc: must be at least 1 (and finite), got 0"),
+    ("scripts.learn.demo", ["--steps", "0"], "argument --steps: must be at least 1"),
+    ("scripts.learn.lecture", ["--nproc", "0"], "argument --nproc: must be at least 1"),
+    ("scripts.perf.bench", ["--rounds", "0"], "argument --rounds: must be at least 1"),
+    ("scripts.perf.bench", ["--nproc", "two"], "argument --nproc: not a number: 'two'"),
+    ("scripts.perf.scaling", ["--worlds", "1", "0"], "argument --worlds: must be at least 1"),
+    ("scripts.perf.profile_step", ["01_vanilla_dp", "--count", "-1"], "argument --count: must be at least 1"),
+    ("scripts.course.grade", ["--test-timeout", "nan"], "argument --test-timeout: must be at least 1 (and finite), got nan"),
+    ("scripts.course.grade_class", [".", "--jobs", "0"], "argument --jobs: must be at least 1"),
+    ("scripts.learn.zero_calc", ["--params", "1e9", "--k", "nan"], "argument --k: must be at least 0 (and finite), got nan"),
+])
+def test_a_tools_bad_count_is_one_line(tool, argv, msg, monkeypatch, capsys):
+    import importlib
+    monkeypatch.setattr(sys, "argv", [tool, *argv])
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(tool).main()
+    assert e.value.code == 2 and msg in capsys.readouterr().err.splitlines()[-1]

@@ -34,7 +34,7 @@ import time
 import tomllib
 
 from scripts.course import student_edition as se
-from scripts.runs import ROOT
+from scripts.runs import ROOT, at_least
 
 POINTS = os.path.join(ROOT, "tests", "points.toml")
 INSIDE_EDITION = os.path.exists(os.path.join(ROOT, se.STAMP))  # this checkout is a student edition
@@ -300,8 +300,8 @@ def main(argv=None):
     p.add_argument("edition", nargs="?", default=ROOT, help="the edition's directory (default: this checkout)")
     p.add_argument("--points", default=POINTS, help="points and tests per lesson (default: tests/points.toml)")
     p.add_argument("--lessons", nargs="+", help="grade these lessons only, e.g. 01 03_buckets")
-    p.add_argument("--test-timeout", type=float, help="seconds per test (default: points.toml's)")
-    p.add_argument("--timeout", type=float, help="seconds for the whole grading run (default: points.toml's)")
+    p.add_argument("--test-timeout", type=at_least(1, float), help="seconds per test (default: points.toml's)")
+    p.add_argument("--timeout", type=at_least(1, float), help="seconds for the whole grading run (default: points.toml's)")
     p.add_argument("-v", "--verbose", action="store_true", help="show pytest's own output as it runs")
     a = p.parse_args(argv)
     edition = os.path.abspath(a.edition)

@@ -7,14 +7,14 @@
 import argparse
 import statistics
 
-from scripts.runs import available_lessons, device_and_host, grid_args, launch, mib
+from scripts.runs import at_least, available_lessons, device_and_host, grid_args, launch, mib
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=at_least(1), default=2)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=at_least(1), default=40)
     a = p.parse_args()
     rows = []
     for lesson in available_lessons():

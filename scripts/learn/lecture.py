@@ -45,7 +45,7 @@ import sys
 import tempfile
 
 from scripts.perf.sweep import NO_PREFETCH
-from scripts.runs import ROOT, available_lessons, device_and_host
+from scripts.runs import ROOT, at_least, available_lessons, device_and_host
 
 CHECK, CROSS = "\u2713", "\u2717"
 
@@ -150,8 +150,8 @@ def hybrid_table(reports, steps, nproc):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=None, help="ranks (CPU, gloo; default 2, --hybrid 4)")
-    p.add_argument("--steps", type=int, default=80, help="K, optimizer steps per lesson")
+    p.add_argument("--nproc", type=at_least(1), default=None, help="ranks (CPU, gloo; default 2, --hybrid 4)")
+    p.add_argument("--steps", type=at_least(1), default=80, help="K, optimizer steps per lesson")
     p.add_argument("--hybrid", action="store_true",
                    help="06 against 08 on two simulated nodes (--link inside, --inter-link between)")
     p.add_argument("--figures", action="store_true",

@@ -20,6 +20,8 @@ import re
 from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
+from scripts.runs import at_least
+
 STAGES = {0: "DP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
 # bytes per parameter: (parameters, gradients, K = optimizer state), as lessonkit/theory.STATE_BYTES
 PRECISIONS = {"fp16": (2, 2, 12), "bf16": (2, 2, 12), "fp32": (4, 4, 8)}
@@ -122,7 +124,7 @@ def main(argv=None):
     what.add_argument("--table1", action="store_true", help="the ZeRO paper's Table 1, recomputed")
     p.add_argument("--world", type=int, nargs="+", default=[64], help="devices (data-parallel degree)")
     p.add_argument("--stage", type=int, choices=sorted(STAGES), help="only this stage (with --fit)")
-    p.add_argument("--k", type=float, help="bytes of optimizer state per parameter (default: the precision's, "
+    p.add_argument("--k", type=at_least(0, float), help="bytes of optimizer state per parameter (default: the precision's, "
                                           "12 in fp16 and bf16, 8 in fp32)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp16",
                    help="fp16 (the paper's) and bf16: 2 + 2 + 12 bytes per parameter; fp32: 4 + 4 + 8")

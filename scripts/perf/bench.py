@@ -31,7 +31,7 @@ import statistics
 
 import torch
 
-from scripts.runs import ROOT, available_lessons, device_and_host, grid_args, launch, mib
+from scripts.runs import ROOT, at_least, available_lessons, device_and_host, grid_args, launch, mib
 
 COUNTERPART = {"01_vanilla_dp": "ddp", "02_async_allreduce": "ddp", "03_buckets": "ddp",
                "04_zero1": "zero_redundancy", "05_zero2": "fsdp2_noreshard", "06_zero3": "fsdp2",
@@ -193,9 +193,9 @@ def plot(results, path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rounds", type=at_least(1), default=3)
+    p.add_argument("--steps", type=at_least(1), default=20)
+    p.add_argument("--nproc", type=at_least(1), default=2)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--lessons", nargs="+", default=None, help="e.g. 01_vanilla_dp 03_buckets")
     p.add_argument("--collectives", nargs="+", choices=["torch", "ring"], default=["torch"],

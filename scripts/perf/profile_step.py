@@ -31,7 +31,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from scripts.runs import ROOT
+from scripts.runs import ROOT, at_least
 
 WARMUP = 3
 OWN = ("0", "bucket.py", "checkpoint.py", "comm_meter.py", "common.py", "ddp.py", "lifecycle.py", "measure.py",
@@ -122,12 +122,12 @@ def _print(stats, key, count, top, keep):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("lesson", help="e.g. 03_buckets, or torch:ddp / torch:zero_redundancy / torch:fsdp2")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun); 1 runs in this process")
+    p.add_argument("--nproc", type=at_least(1), default=2, help="ranks (torchrun); 1 runs in this process")
     p.add_argument("--config", choices=["default", "many-small"], default="default",
                    help="bench.py's model configurations")
     p.add_argument("--tool", choices=["cprofile", "torch"], default="cprofile")
-    p.add_argument("--count", type=int, default=5, help="steps profiled (and as many unprofiled)")
-    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--count", type=at_least(1), default=5, help="steps profiled (and as many unprofiled)")
+    p.add_argument("--top", type=at_least(1), default=25)
     a, lesson_argv = p.parse_known_args()
     from scripts.perf.bench import CONFIGS
     lesson_argv = ["--device", "cpu"] + CONFIGS[a.config] + lesson_argv  # the lesson's own flags last: they win

@@ -38,7 +38,7 @@ import platform
 import statistics
 import time
 
-from scripts.runs import ROOT, available_lessons, launch, mib
+from scripts.runs import ROOT, at_least, available_lessons, launch, mib
 
 # n_layer, d_model, n_head: Psi from about 1M to about 50M (exact counts printed from the model:
 # a block holds 12 d^2 + 13 d parameters; the embeddings (64 + 32) d, the final norm 2 d)
@@ -244,9 +244,9 @@ def write_outputs(result, out, figures):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=None, help=f"model sizes, of {' '.join(SIZES)} (default: all)")
-    p.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="world sizes (default: 1 2 4)")
+    p.add_argument("--worlds", type=at_least(1), nargs="+", default=list(WORLDS), help="world sizes (default: 1 2 4)")
     p.add_argument("--lessons", nargs="+", default=None, help="default: every lesson")
-    p.add_argument("--steps", type=int, default=6,
+    p.add_argument("--steps", type=at_least(1), default=6,
                    help=f"steps per run: {WARMUP} warm-up, the timed ones, the measured last one")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--track-peak", nargs="*", default=["06_zero3"], metavar="LESSON",

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lessonkit import common, lifecycle
-from scripts.runs import ROOT, available_lessons, grid_args, load_lesson
+from scripts.runs import ROOT, at_least, available_lessons, grid_args, load_lesson
 
 NO_PREFETCH = "06_zero3 --prefetch 0"
 
@@ -72,7 +72,7 @@ def run_lessons(runs, flags, track_peak):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--report", required=True, help="where rank 0 writes every report (JSON)")
-    p.add_argument("--worlds", type=int, nargs="+", default=None,
+    p.add_argument("--worlds", type=at_least(1), nargs="+", default=None,
                    help="world sizes to run, each at most the number of ranks launched (default: that number)")
     p.add_argument("--lessons", nargs="+", default=None, metavar="RUN",
                    help=f"runs at every world size (default: every lesson, and {NO_PREFETCH!r})")

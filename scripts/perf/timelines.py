@@ -19,7 +19,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from scripts.runs import ROOT, launch
+from scripts.runs import ROOT, at_least, launch
 
 RUNS = [  # (label, lesson, extra flags, chart name or None)
     ("01 blocking all-reduce", "01_vanilla_dp", [], "01"),
@@ -166,7 +166,7 @@ def plot_timeline(timelines, strategy, path):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "figures"), help="where the charts go")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=at_least(1), default=2)
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
