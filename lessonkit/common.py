@@ -78,8 +78,7 @@ def build_parser(description=""):
     g.add_argument("--ranks-per-node", type=int, default=None, metavar="G",
                    help="with --inter-link: nodes of G consecutive ranks (default: --shard-group, 08's node)")
     g = p.add_argument_group("checkpoints (checkpoint.py)")
-    g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
-                   help="DIR/step_NNNNNN/: each rank's shard, meta.json, COMPLETE")
+    g.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="DIR/step_NNNNNN/: each rank's shard, meta.json, COMPLETE")
     g.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps; 0 never")
     g.add_argument("--resume", nargs="?", const=True, default=False, type=_auto, metavar="auto",
                    help="continue from the newest complete checkpoint in --checkpoint-dir, at any world size; "
@@ -89,8 +88,7 @@ def build_parser(description=""):
                    help="auto: CUDA (nccl) when every rank on the node has a GPU, else CPU (gloo)")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds before a lost rank fails the run")
     g.add_argument("--log-every", type=int, default=10, help="print the loss every K steps (rank 0)")
-    g.add_argument("--measure-step", type=int, default=2,
-                   help="the step whose communication and memory are measured")
+    g.add_argument("--measure-step", type=int, default=2, help="the step whose communication and memory are measured")
     g.add_argument("--peak-params", type=int, choices=[0, 1], default=1,
                    help="sample parameter bytes after every op of the measured step (slow); 0 skips")
     g.add_argument("--report", metavar="PATH", default=None, help="write a JSON report (rank 0)")
@@ -125,8 +123,12 @@ def parse_args(argv=None, description=""):
         fail(f"--loss-scale {args.loss_scale:g}: only fp16 scales its loss (use it with --precision fp16)")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
-    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
-        fail(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory")
+    try:  # made now where it will be written: one that cannot be fails here, not at the first save, mid-run
+        if args.checkpoint_dir and (args.save_every or os.path.exists(args.checkpoint_dir)):
+            os.makedirs(args.checkpoint_dir, exist_ok=True)  # (a file there: FileExistsError)
+    except OSError as e:
+        fail(f"--checkpoint-dir {args.checkpoint_dir} " + ("is a file, not a directory" if isinstance(e, FileExistsError)
+                                                          else f"cannot be made: {e.strerror}"))
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
     for flag, spec in ((f, s) for f, s in (("--link", args.link), ("--inter-link", args.inter_link)) if s is not None):
         if args.collectives == "torch":
@@ -151,10 +153,9 @@ def parse_args(argv=None, description=""):
 
 # ----------------------------------------------------------------------------- processes
 def choose_device(requested, ranks_here, gpus):
-    """The device type for `--device requested` with `ranks_here` ranks on this node and `gpus`
-    CUDA GPUs visible: ("cuda" or "cpu", why auto chose the CPU or None). NCCL wants one GPU per
-    rank, so `auto` takes CUDA only when every local rank gets its own; an explicit `cuda` that
-    cannot have that raises ValueError."""
+    """The device type for `--device requested` with `ranks_here` ranks on this node and `gpus` CUDA GPUs
+    visible: ("cuda" or "cpu", why auto chose the CPU or None). NCCL wants one GPU per rank, so `auto`
+    takes CUDA only when every local rank gets its own; an explicit `cuda` that cannot, ValueError."""
     if requested == "cpu":
         return "cpu", None
     if gpus >= max(ranks_here, 1):
@@ -179,10 +180,9 @@ class Dist:
 
 
 def init_distributed(args) -> Dist:
-    """Join the process group: torchrun's environment if present, else a group of one. gloo on
-    CPU, nccl on CUDA (cuda:LOCAL_RANK; choose_device); in a group that already exists (a test
-    harness, scripts/sweep.py) the device follows its backend. The timeout makes a lost rank fail
-    the others instead of hanging them. Sets args.device to what it chose."""
+    """Join the process group: torchrun's environment if present, else a group of one; gloo on CPU, nccl on CUDA
+    (cuda:LOCAL_RANK; choose_device), or in a group that exists (a test harness, sweep.py) its backend's device.
+    The timeout makes a lost rank fail the others instead of hanging them. Sets args.device to what it chose."""
     timeout = timedelta(seconds=args.timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ring = args.collectives == "ring"

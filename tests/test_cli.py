@@ -55,6 +55,9 @@ BAD = [
     (["--loss-scale", str(2.0 ** 128)], "a power of two from 2^-126 to 2^127"),  # inf as fp32
     (["--loss-scale", "big"], "argument --loss-scale: a power of two from 2^-126 to 2^127, such as 65536 or 1048576, got big"),
     (["--checkpoint-dir", __file__], f"--checkpoint-dir {__file__} is a file, not a directory"),
+    # made before the first step (it once failed at the first save, a rank's traceback beside it)
+    (["--checkpoint-dir", f"{__file__}/sub", "--save-every", "1"],
+     f"--checkpoint-dir {__file__}/sub cannot be made: Not a directory"),
     (["--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss (use it with --precision fp16)"),
     (["--precision", "bf16", "--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss"),
 ]
