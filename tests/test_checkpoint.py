@@ -431,6 +431,9 @@ def test_consolidate_command(root, tmp_path):
     want = consolidate(step_dir(f"{root}/06_zero3/full", 6))
     assert sd.keys() == want.keys() and all(torch.equal(sd[n], want[n]) for n in want)
     GPT(common.model_config(common.parse_args(ARGV)), seed=None).load_state_dict(sd)
+    with pytest.raises(SystemExit) as e:  # nowhere to write it: one line, not torch's traceback
+        script.main([f"{root}/06_zero3/full", str(tmp_path / "zero3.pt" / "x.pt")])
+    assert str(e.value).startswith(f"error: cannot write {tmp_path / 'zero3.pt' / 'x.pt'}: "), e.value
 
 
 def test_refusals_name_the_problem(root):

@@ -279,6 +279,13 @@ def test_grade_class_without_a_folder_says_so_in_one_line():
     assert "make grade-class SUBMISSIONS=DIR" in out.stderr
 
 
+def test_an_edition_that_cannot_be_written_says_so_in_one_line(tmp_path, capsys):
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    assert se.main([str(blocked / "student")]) == 1  # not a traceback from os.makedirs
+    assert capsys.readouterr().err.startswith(f"error: cannot write the edition to {blocked / 'student'}: Not a directory")
+
+
 @pytest.mark.parametrize("filtered", [True, False])  # False: a Python without tarfile.data_filter
 def test_an_archive_unpacks_inside_its_folder_only(tmp_path, monkeypatch, filtered):
     import io

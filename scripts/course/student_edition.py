@@ -293,7 +293,11 @@ def main(argv=None):
     if a.check:
         print(f"fences: {n} regions, all closed")
         return 0
-    write(files, a.out_dir, a.source)
+    try:
+        write(files, a.out_dir, a.source)
+    except OSError as e:
+        print(f"error: cannot write the edition to {a.out_dir}: {e.strerror}: {e.filename}", file=sys.stderr)
+        return 1
     print(f"wrote {len(files)} files to {a.out_dir} ({n} solution regions cut out, level {a.level})")
     return 0
 

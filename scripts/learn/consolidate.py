@@ -48,7 +48,10 @@ def main(argv=None):
         meta, _, _ = checkpoint.read(path)
     except checkpoint.CheckpointError as e:
         sys.exit(f"error: {e}")
-    torch.save(sd, a.out)
+    try:
+        torch.save(sd, a.out)
+    except (OSError, RuntimeError) as e:  # (torch's writer raises RuntimeError for a missing directory)
+        sys.exit(f"error: cannot write {a.out}: {str(e).splitlines()[0]}")
     c = meta["config"]
     model = ", ".join(f"{k}={c[k]}" for k in ("vocab_size", "seq_len", "n_layer", "d_model", "n_head"))
     n = sum(t.numel() for name, t in sd.items() if name not in meta["aliases"])
