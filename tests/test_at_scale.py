@@ -248,6 +248,7 @@ def test_hsdp_command_prints_each_g_and_the_choice(capsys):
     (["--cluster", "tpu"], "unknown preset 'tpu'"),
     (["--world", "12"], "not a whole number of 8-GPU nodes"),
     (["--params", "lots"], "not a number"),
+    (["--memory-gb", "1e400"], "must be positive and finite: '1e400'"),  # inf once: every model fit
     (["--stage", "zero4"], "unknown stage"),
     (["--efficiency", "1.5"], "at most 1"),
     (["--calibrate", "--link", "fast"], "argument --link: 'fast': expected GBPS:LATENCY_US"),

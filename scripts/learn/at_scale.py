@@ -623,8 +623,8 @@ def positive(kind):
             x = kind(parse_count(text) if kind is float else text)
         except (ValueError, argparse.ArgumentTypeError):
             raise argparse.ArgumentTypeError(f"not a number: {text!r}")
-        if x <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+        if not 0 < x < float("inf"):  # (1e400 reads as inf)
+            raise argparse.ArgumentTypeError(f"must be positive and finite: {text!r}")
         return x
     return parse
 
