@@ -164,8 +164,10 @@ def test_the_ring_carries_sub_groups_each_hop_on_its_nodes_link():
         assert 2 * out["slow_s"] <= runs["replicate"]["s"] <= 1.1 * 2 * out["slow_s"] + 0.01, runs
         # every rank: 6 sends of a quarter; ranks 1 and 3 send across, and the others wait for them:
         # a ring goes at its slowest hop's pace, as NCCL's ring crossing two nodes does. (The link
-        # holds the sender after its bytes leave, so a rank waiting on a slow sender sees 5 of its 6.)
-        assert runs["world"]["s"] >= (6 if r in (1, 3) else 5) * out["slow_quarter_s"], runs
+        # holds the sender after its bytes leave, so a rank waiting on a slow sender sees 5 of its 6,
+        # less how much later than that sender it left the barrier: 0.4 ms once, 4 ranks on 2 cores,
+        # so one send is left for it. On the fast link alone the whole all-reduce takes 0.35 ms.)
+        assert runs["world"]["s"] >= (6 if r in (1, 3) else 4) * out["slow_quarter_s"], runs
         # measured per group (per link): the payload and gloo's 144 bytes a send
         sent = {"shard": 2 ** 18 // 2 * 2, "replicate": 2 ** 18 // 2 * 2, "world": 2 ** 18 // 4 * 6}
         for name, b in sent.items():
