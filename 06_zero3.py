@@ -79,8 +79,8 @@ class Unit:
     parameter shards, so bucket.py's buckets, cut by size across units, do not fit here.
     """
 
-    def __init__(self, index, module, params, slots, device, rank, world_size):
-        self.index, self.module, self.rank = index, module, rank
+    def __init__(self, index, modules, params, slots, device, rank, world_size):
+        self.index, self.modules, self.rank = index, modules, rank  # (07 --chunk-mb: several modules)
         numel = sum(p.numel() for p in params)
         self.numel_padded = math.ceil(numel / world_size) * world_size
         self.shard_numel = self.numel_padded // world_size
@@ -136,7 +136,8 @@ class ZeRO3(nn.Module):
     module         a plain nn.Module; its parameters may be on the meta device (no memory)
     units          submodules gathered, freed and reduced one at a time, listed in the order
                    forward runs them (each at most once; a rank's data may skip any); every
-                   other parameter (a tied one too) is the root's
+                   other parameter (a tied one too) is the root's. A unit may be a list of
+                   consecutive modules, gathered and reduced together (FSDP2's fully_shard([..]))
     mp_policy      FSDP2's MixedPrecisionPolicy: its param_dtype and reduce_dtype
     param_init_fn  param_init_fn(submodule, prefix) initialises one unit of a meta module in
                    place once its memory exists; prefix is its name ("" for the root)
@@ -172,19 +173,22 @@ class ZeRO3(nn.Module):
                 if p is not None:  # (Linear(bias=False) registers its bias as None)
                     slots.setdefault(p, []).append((m, attr))
         prefix = {m: name for name, m in module.named_modules()}
-        # a unit without parameters has nothing to gather or reduce: it stays a plain module
-        groups = [(m, list(m.parameters())) for m in units if next(m.parameters(), None) is not None]
+        # a unit (its modules) without parameters has nothing to gather or reduce: it stays plain
+        groups = [(ms, list(dict.fromkeys(p for m in ms for p in m.parameters())))
+                  for ms in ([u] if isinstance(u, nn.Module) else list(u) for u in units)]
+        groups = [(ms, params) for ms, params in groups if params]
         taken = {p for _, params in groups for p in params}
-        groups.insert(0, (module, [p for p in module.parameters() if p not in taken]))  # the root
+        groups.insert(0, ([module], [p for p in module.parameters() if p not in taken]))  # the root
         if not groups[0][1]:  # the root's hooks drive the schedule, so it needs a parameter
             raise ValueError("ZeRO3: every parameter is in a unit, so the root has none: leave one module out of units")
         self.units = []  # the root is unit 0, then the units in forward order
         shard_rank, shard_size = dist.get_rank(shard_group), dist.get_world_size(shard_group)
-        for index, (m, params) in enumerate(groups):
-            unit = Unit(index, m, params, slots, device, shard_rank, shard_size)
+        for index, (modules, params) in enumerate(groups):
+            unit = Unit(index, modules, params, slots, device, shard_rank, shard_size)
             with torch.no_grad():
                 if params[0].is_meta and param_init_fn is not None:
-                    param_init_fn(m, prefix[m])  # the values it would get in the whole model
+                    for m in modules:
+                        param_init_fn(m, prefix[m])  # the values it would get in the whole model
                 elif not params[0].is_meta:  # ranks may start from different weights: rank 0's
                     dist.broadcast(unit.flat_param, src=0)
             self._place(unit)  # (07 may place a unit whole on one rank, to measure why not)
@@ -194,13 +198,14 @@ class ZeRO3(nn.Module):
         self.grads_in_flight = []  # (unit, work, grad_shard): reduce-scatters not yet waited for
         trainable = [p for u in self.units for p in u.trainable]
         self.used = optimizers.UsedParameters(trainable, self.units[0].shard.device) if find_unused_parameters else None
+        hook = functools.partial
         for unit in self.units:
-            hook = functools.partial
-            unit.module.register_forward_pre_hook(hook(self._pre_forward, unit))
-            unit.module.register_forward_hook(hook(self._post_forward, unit))
-            if unit.index > 0:  # the root's backward pre-hook is set in _post_forward
-                unit.module.register_full_backward_pre_hook(hook(self._pre_backward, unit))
-                unit.module.register_full_backward_hook(hook(self._post_backward, unit))
+            for m in unit.modules:
+                m.register_forward_pre_hook(hook(self._pre_forward, unit))
+                m.register_forward_hook(hook(self._post_forward, unit))
+                if unit.index > 0:  # the root's backward pre-hook is set in _post_forward
+                    m.register_full_backward_pre_hook(hook(self._pre_backward, unit))
+                    m.register_full_backward_hook(hook(self._post_backward, unit))
             for p, offset in zip(unit.params, unit.offsets):
                 if p.requires_grad:  # fires once p.grad is complete (a tied weight's: both uses)
                     p.register_post_accumulate_grad_hook(hook(self._grad_ready, unit, offset))
@@ -262,9 +267,14 @@ class ZeRO3(nn.Module):
     def _forward_until(self, index):
         """Forward reaches unit `index`: those before it that this rank skipped (a block its data
         routed around) are gathered and freed all the same, as where they ran."""
+        current = self.units[self.next_unit - 1]  # (of several modules: gathered until the last)
+        if index == current.index > 0 and current.flat_param.untyped_storage().size() > 0:
+            return  # the next module of the unit forward is in
         if index < self.next_unit:
             raise RuntimeError(f"ZeRO3: unit {index} ran twice or out of order: "
                                "list the units in the order forward runs them, each once")
+        if current.index > 0:  # its last module, skipped here, did not free it
+            self._reshard(current)
         for skipped in self.units[self.next_unit:index]:
             self._unshard(skipped)
             self._prefetch(skipped.index + 1)
@@ -275,6 +285,8 @@ class ZeRO3(nn.Module):
         # 3) free. The root too: its layers run first and last in forward, so it stays gathered
         # through forward, then, like every unit, is gathered again for backward: 3 Psi a step,
         # as in the paper. (FSDP2 keeps its root: a small unit, gathered once.)
+        if module is not unit.modules[-1]:  # (a unit of several modules: freed after its last)
+            return
         self._reshard(unit)
         if unit.index == 0:  # forward is over, and so are the units after the last one run here
             self._forward_until(len(self.units))
@@ -289,6 +301,8 @@ class ZeRO3(nn.Module):
         if unit.index == 0:  # backward starts at the root: clean up once it is over
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward_final)
             self.next_unit = len(self.units) - 1
+        elif unit.index == self.next_unit + 1:  # the next module of the unit backward is in
+            assert not unit.reduced, f"unit {unit.index}'s backward ran twice"
         else:
             self._backward_until(unit.index)
         self._unshard(unit)  # 4) all-gather again: backward needs the weights forward used
@@ -298,7 +312,7 @@ class ZeRO3(nn.Module):
         # Gradients w.r.t. the unit's inputs exist: its backward is over (autograd runs the
         # parameters' gradient hooks first), 5) now. (If no input needs a gradient, torch calls
         # this *before* the unit's backward: then 5) waits until backward moves on.)
-        if any(g is not None for g in grad_input):
+        if module is unit.modules[0] and any(g is not None for g in grad_input):  # (its last module)
             self._finish_backward(unit)
 
     def _backward_until(self, index):
@@ -400,10 +414,11 @@ def checkpoint_shards(model, optimizer, names):
 
 
 # ----------------------------------------------------------------------------- training
-def build_model(args, env, strategy=None, **kwargs):
-    """The GPT of `args` under ZeRO-3 (`strategy`: ZeRO3, or 07's subclass, with its `kwargs`),
-    built on the meta device and materialised, initialised and sharded one unit at a time: its
-    weights equal GPT(cfg, seed)'s, yet no rank ever held them."""
+def build_model(args, env, strategy=None, pack=list, **kwargs):
+    """The GPT of `args` under ZeRO-3 (`strategy`: ZeRO3, or 07's subclass, with its `kwargs`;
+    `pack(blocks)`: the units, a block each, or 07's chunks), built on the meta device and
+    materialised, initialised and sharded one unit at a time: its weights equal GPT(cfg, seed)'s,
+    yet no rank ever held them."""
     with torch.device("meta"):  # shapes only: not one byte of parameters yet
         gpt = GPT(common.model_config(args), seed=None)  # fp32: the shards are the master weights
 
@@ -416,7 +431,7 @@ def build_model(args, env, strategy=None, **kwargs):
 
     # --precision bf16 or fp16: gather, compute and reduce-scatter in it (the ZeRO paper's 2 bytes)
     policy = MixedPrecisionPolicy(param_dtype=common.working_dtype(args))
-    return (strategy or ZeRO3)(gpt, units=list(gpt.blocks), mp_policy=policy, param_init_fn=init_unit,
+    return (strategy or ZeRO3)(gpt, units=pack(gpt.blocks), mp_policy=policy, param_init_fn=init_unit,
                                prefetch=bool(args.prefetch), device=env.device, **kwargs)
 
 

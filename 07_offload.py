@@ -20,7 +20,11 @@ down in the working precision. A non-blocking copy between host and device conve
 on the device, so the fp32 master crosses and is cast there, as FSDP2's CPUOffloadPolicy does
 (4 + 2 bytes per element in bf16; DeepSpeed's CPU Adam writes a 2-byte copy in its step for
 "2x the model's size over PCIe", 2 + 2). Every unit is cut evenly over all ranks (06's shards),
-so every rank copies the same bytes at the same time.
+so every rank copies the same bytes at the same time. The units are chunks: `--chunk-mb MB` packs
+the blocks, whole and in the order forward runs them, into chunks of at most MB MiB of fp32
+weights (0, the default: a block each, 06's units), each one unit gathered, freed, reduced and
+copied as one (FSDP2: `fully_shard([block0, block1])`). Larger chunks: fewer and larger
+collectives and copies, and more memory while one is gathered.
 `--layout uneven` runs the older layout instead, to measure it: each unit whole on one rank (as
 ZeRO-Offload's first chunk layouts and ColossalAI's before its even chunks), so the rank owning
 the largest units holds, copies and steps the most: where the copies cross PCIe, it sets
@@ -36,6 +40,7 @@ tiers are the same memory: the lesson runs the same schedule with plain copies, 
     torchrun --nproc_per_node=2 07_offload.py --precision bf16 # 2 bytes per parameter on the device
     torchrun --nproc_per_node=2 07_offload.py --precision fp16 # the same, the loss scaled (06's loop)
     torchrun --nproc_per_node=4 07_offload.py --device cuda    # 4 GPUs (nccl), pinned host memory
+    torchrun --nproc_per_node=2 07_offload.py --chunk-mb 1.6     # two blocks a chunk: half the collectives
     torchrun --nproc_per_node=2 07_offload.py --layout uneven --vocab-size 8192  # the older layout
 
 PyTorch: FSDP2 `fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=True))`;
@@ -75,8 +80,8 @@ class ZeRO3Offload(zero3.ZeRO3):
         device = self.units[0].shard.device
         self.pin = getattr(offload_policy, "pin_memory", True) and device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # bytes and seconds each way; exposed_s: the copy time nothing else ran beside
-        self.copied = dict.fromkeys(("h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "exposed_s"), 0)
+        # copies, bytes and seconds each way; exposed_s: the copy time nothing else ran beside
+        self.copied = dict.fromkeys(("h2d_n", "d2h_n", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "exposed_s"), 0)
         self.timed = []  # (what, start, end): CUDA events not yet added up
         for unit in self.units:
             # the device keeps my shard in param_dtype only: what the all-gather sends
@@ -131,6 +136,7 @@ class ZeRO3Offload(zero3.ZeRO3):
         stream, asynchronously (pinned host memory); on the CPU it is a plain copy. Counted:
         the host tensor's bytes, what crosses the bus (the device converts the dtype)."""
         host = src if direction == "h2d" else dst
+        self.copied[f"{direction}_n"] += 1  # one a unit (a chunk) each way
         self.copied[f"{direction}_bytes"] += host.numel() * host.element_size()
         if self.copy_stream is None:
             t0 = time.perf_counter()
@@ -222,9 +228,25 @@ class ZeRO3Offload(zero3.ZeRO3):
 
 
 # ----------------------------------------------------------------------------- training
+def chunks(mb, blocks):
+    """--chunk-mb: the blocks packed whole, in the order forward runs them, into chunks of at most
+    `mb` MiB of fp32 weights (a larger block a chunk of its own; 0: one block a chunk, 06's units).
+    A chunk is one unit: gathered, freed, reduce-scattered and copied as one."""
+    out, room = [], 0
+    for block in blocks:
+        size = 4 * sum(p.numel() for p in block.parameters())  # (on the meta device: shapes only)
+        if size > room:
+            out.append([])
+            room = mb * 2 ** 20
+        out[-1].append(block)
+        room -= size
+    return out
+
+
 def build_model(args, env):
-    """06's GPT under ZeRO-3, with my shards offloaded to the host."""
-    return zero3.build_model(args, env, ZeRO3Offload, offload_policy=CPUOffloadPolicy(pin_memory=True),
+    """06's GPT under ZeRO-3, its blocks in chunks, with my shards offloaded to the host."""
+    return zero3.build_model(args, env, ZeRO3Offload, pack=functools.partial(chunks, args.chunk_mb),
+                             offload_policy=CPUOffloadPolicy(pin_memory=True),
                              layout=args.layout)  # --layout uneven: the older one, measured
 
 

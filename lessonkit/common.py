@@ -66,6 +66,7 @@ def build_parser(description=""):
                    help="06: all-gather the next unit while this one computes")
     g.add_argument("--layout", choices=["even", "uneven"], default="even",
                    help="07: every unit cut evenly over all ranks, or each whole on one rank (the older layout)")
+    g.add_argument("--chunk-mb", type=float, default=0.0, metavar="MB", help="07: blocks in forward order, whole, in chunks of <= MB MiB (fp32)")
     g.add_argument("--shard-group", type=int, default=None, metavar="G", help="08: shard over groups of G ranks (a node), "
                    "replicate across them; G divides the world size (default: --ranks-per-node, else torchrun's node)")
     g.add_argument("--collectives", choices=["torch", "ring"], default=None, help="torch (default): the backend's own "
@@ -103,14 +104,14 @@ def parse_args(argv=None, description=""):
     lesson = description[7:9] if description.startswith("Lesson ") else ""  # "Lesson 07: ..."
     # a flag this lesson would ignore while its output looked as if it ran: refused (knobs pass through)
     trains, a = "01 02 03 04 05 06 07 08", args
-    for flag, owners, given in (("--layout", "07", a.layout != "even"), ("--shard-group", "08", a.shard_group and not a.inter_link),
-                                ("--precision", trains, a.precision != "fp32"), ("--grad-accum", trains, a.grad_accum != 1),
-                                ("--activation-checkpointing", trains, a.activation_checkpointing != "none"),
+    for flag, owners, given in (("--layout", "07", a.layout != "even"), ("--chunk-mb", "07", a.chunk_mb != 0),
+                                ("--shard-group", "08", a.shard_group and not a.inter_link), ("--precision", trains, a.precision != "fp32"),
+                                ("--grad-accum", trains, a.grad_accum != 1), ("--activation-checkpointing", trains, a.activation_checkpointing != "none"),
                                 ("--checkpoint-dir", trains, a.checkpoint_dir)):
         if lesson and given and lesson not in owners:
             fail(f"{flag} is for lessons {'01-08' if owners == trains else owners} only: lesson {lesson} would ignore it")
     for name, least in [(n, 1) for n in ("steps", "global_batch", "grad_accum", "seq_len", "vocab_size", "n_layer",
-                                         "d_model", "n_head", "log_every")] + [(n, 0) for n in ("weight_decay", "warmup_steps", "save_every")]:
+                                         "d_model", "n_head", "log_every")] + [(n, 0) for n in ("weight_decay", "warmup_steps", "save_every", "chunk_mb")]:
         if not least <= getattr(args, name) < float("inf"):  # (--save-every 0: never; nan and inf fail too)
             fail(f"--{name.replace('_', '-')} must be {'at least 1' if least else '0 or positive'} and finite, got {getattr(args, name)}")
     if args.global_batch % (world * args.grad_accum):
@@ -200,8 +201,7 @@ def init_distributed(args) -> Dist:
             say(restart_advice())
     if ring and "cuda" in (args.device, kind):  # (kind: a group made elsewhere on nccl)
         fail("--collectives ring sends over gloo on the CPU (--device cpu); on CUDA, NCCL's collectives are the wire")
-    device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
-    backend = "nccl" if kind == "cuda" else "gloo"
+    device, backend = (torch.device("cuda", local_rank), "nccl") if kind == "cuda" else (torch.device("cpu"), "gloo")
     if kind == "cuda":
         torch.cuda.set_device(device)  # before anything touches CUDA: else every rank makes a context on GPU 0
         if args.precision == "bf16" and torch.cuda.get_device_capability(device) < (8, 0):  # (not emulated)

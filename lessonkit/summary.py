@@ -70,8 +70,8 @@ def print_summary(r):
                 + ("" if r["device"] == "cuda" else " (on this CPU-only machine, one memory)"), flush=True)
     c = (r.get("copies_per_rank") or [None])[0]
     if c:  # 07: the measured step's copies (CUDA: their time from events on the copy stream)
-        print(f"  copies rank 0: host->device {c['h2d_bytes'] / mib:.2f} MiB in {c['h2d_s'] * 1e3:.1f} ms | "
-              f"device->host {c['d2h_bytes'] / mib:.2f} MiB in {c['d2h_s'] * 1e3:.1f} ms | "
+        print(f"  copies rank 0: host->device {c['h2d_bytes'] / mib:.2f} MiB in {c['h2d_n']} copies, {c['h2d_s'] * 1e3:.1f} ms | "
+              f"device->host {c['d2h_bytes'] / mib:.2f} MiB in {c['d2h_n']} copies, {c['d2h_s'] * 1e3:.1f} ms | "
               + copies_hidden(c, r["device"]), flush=True)
         each = [x["h2d_bytes"] for x in r["copies_per_rank"]]
         if max(each) > min(each):  # 07 --layout uneven: the busiest rank sets everyone's pace

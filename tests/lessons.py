@@ -160,7 +160,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
             hybrid = load_lesson("08_hybrid")
             groups = hybrid.hybrid_groups(kw.get("shard_group") or dist.get_world_size())
             strategy, extra = hybrid.HybridShard, dict(zip(("shard_group", "replicate_group"), groups))
-        z = strategy(module, units=sharding_units(module), prefetch=kw.get("prefetch", True),
+        z = strategy(module, units=sharding_units(module, kw.get("chunk", 1)), prefetch=kw.get("prefetch", True),
                      find_unused_parameters=kw.get("find_unused", False),
                      mp_policy=kw.get("mp_policy"), **extra)  # mp_policy None: the parameters' dtype
         opt = kw.get("optimizer_class", torch.optim.AdamW)(optimizers.decay_groups(z, wd),
@@ -193,17 +193,20 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
 
 
 # ----------------------------------------------------------------------------- fully sharded (06, FSDP2)
-def sharding_units(module):
+def sharding_units(module, chunk=1):
     """ZeRO-3/FSDP2 units: a GPT's blocks; otherwise every child module that shares no parameter
-    with another child (a tied embedding/head stays in the root, as FSDP places it)."""
+    with another child (a tied embedding/head stays in the root, as FSDP places it). chunk > 1:
+    every `chunk` consecutive ones a list, one unit (07's --chunk-mb; FSDP2's fully_shard([..]))."""
     if hasattr(module, "blocks"):
-        return list(module.blocks)
-    holders = {}
-    for child in module.children():
-        for p in child.parameters():
-            holders[p] = holders.get(p, 0) + 1
-    return [c for c in module.children()
-            if any(True for _ in c.parameters()) and all(holders[p] == 1 for p in c.parameters())]
+        units = list(module.blocks)
+    else:
+        holders = {}
+        for child in module.children():
+            for p in child.parameters():
+                holders[p] = holders.get(p, 0) + 1
+        units = [c for c in module.children()
+                 if any(True for _ in c.parameters()) and all(holders[p] == 1 for p in c.parameters())]
+    return units if chunk == 1 else [units[i:i + chunk] for i in range(0, len(units), chunk)]
 
 
 class _FullySharded:
@@ -252,7 +255,7 @@ def _fsdp2(module, grad_clip, lr, wd, scaler, offload=False, hsdp=False, **kw):
     policy = kw.get("mp_policy") or MixedPrecisionPolicy()
     options = dict(mesh=mesh, reshard_after_forward=True, mp_policy=policy,
                    **({"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}))
-    for unit in sharding_units(module):
+    for unit in sharding_units(module, kw.get("chunk", 1)):
         fully_shard(unit, **options)
     fully_shard(module, **options)
     opt_class, opt_kwargs = _fsdp2_options(module, kw)

@@ -7,10 +7,11 @@ tells the tiers apart by role (07's device_tier()). The CUDA path (pinned memory
 its events) runs in `make gpu-check` (docs/gpus.md has a run on an H100). Worlds 2 and 3 are
 drawn by the fuzzer (tests/fuzz.py holds 07 to FSDP2 and one process in every case)."""
 import pytest
+import torch
 
 from harness import all_close, gpt_train, held, launches, reference, run_lesson
 from lessons import build
-from test_06_zero3 import padded, unit_params, units
+from test_06_zero3 import ZERO3_BF16_LOSS_ATOL, padded, unit_params, units
 from tolerances import TOL
 from toy import toy_reference, toy_sgd_reference, toy_train
 from zero_parity import SGD, held_pieces
@@ -19,6 +20,9 @@ ARGV = ["--steps", "4", "--n-layer", "3", "--d-model", "32", "--seq-len", "16", 
         "--log-every", "100"]
 # bf16, 2 micro-steps (each one's gradient shard copied down) and a clip acting at every step
 BF16_ACCUM_CLIP = ARGV + ["--precision", "bf16", "--grad-accum", "2", "--grad-clip", "0.05"]
+# --chunk-mb of two blocks' fp32 bytes: blocks 0 and 1 one chunk, block 2 (no room left) another
+NUMELS = units(ARGV)[0]  # the root's elements, then each block's
+CHUNKS = ["--chunk-mb", repr((NUMELS[1] + NUMELS[2]) * 4 / 2 ** 20)]
 
 
 def suite(world):
@@ -27,6 +31,8 @@ def suite(world):
             "bf16": run_lesson("07_offload", BF16_ACCUM_CLIP), "zero3_bf16": run_lesson("06_zero3", BF16_ACCUM_CLIP),
             "fsdp2_offload": gpt_train("fsdp2_offload", ARGV),
             "uneven": run_lesson("07_offload", ARGV + ["--layout", "uneven"]),
+            "chunks": run_lesson("07_offload", ARGV + CHUNKS), "chunks_bf16": run_lesson("07_offload", BF16_ACCUM_CLIP + CHUNKS),
+            "fsdp2_chunks": gpt_train("fsdp2_offload", ARGV, chunk=2),  # fully_shard([block 0, block 1])
             "toy": toy_train(build, "07", grad_accum=3, different_init=True),  # (12 rows: 4 x 3)
             "toy_clip": toy_train(build, "07", grad_clip=0.05),
             "toy_sgd": toy_train(build, "07", steps=3, grad_accum=3, different_init=True, **SGD)}
@@ -105,3 +111,37 @@ def test_the_uneven_layout_trains_the_same_but_loads_each_unit_on_one_rank(world
     ops = report["comm"]["ops"]  # a broadcast per unit in forward and again in backward, a reduce
     assert (ops["broadcast"]["calls"], ops["reduce"]["calls"]) == (2 * len(numels), len(numels))
     assert "all_gather" not in ops and "reduce_scatter" not in ops
+
+
+# ----------------------------------------------------------------------------- chunks (--chunk-mb)
+@pytest.mark.parametrize("world", [1, 4])
+def test_blocks_in_chunks_are_gathered_reduced_and_copied_as_one(world):
+    # [root], [block 0, block 1], [block 2]: three units, so each step two all-gathers and one
+    # reduce-scatter of each (not of four), every collective and copy carrying a whole chunk
+    sizes = [NUMELS[0], NUMELS[1] + NUMELS[2], NUMELS[3]]
+    for key, b, micro_steps in (("chunks", 4, 1), ("chunks_bf16", 2, 2)):
+        report = results(world)[0][key]["report"]
+        ops = report["comm"]["ops"]
+        assert ops["all_gather"] == {"calls": 2 * 3 * micro_steps, "bytes": 2 * micro_steps * b * sum(padded(n, world) for n in sizes)}
+        assert ops["reduce_scatter"]["calls"] == 3 * micro_steps
+        for copies in report["copies_per_rank"]:
+            assert copies["h2d_n"] == copies["d2h_n"] == 3 * micro_steps, key
+            assert copies["h2d_bytes"] == micro_steps * 4 * sum(padded(n, world) // world for n in sizes), key
+        for mem in held(report):  # at rest: my shard of each chunk, nothing more
+            assert mem["device"]["params"] == b * sum(padded(n, world) // world for n in sizes)
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_chunks_train_to_06s_losses_as_fsdp2_with_grouped_blocks(world):
+    # One rank: 06's losses bit for bit (a chunk's buffer only places two blocks side by side).
+    # At 4, where an element sits in the buffer decides which rank gloo's reduce-scatter starts its
+    # sum at, and a chunk moves block 1's elements: the same sums in another order. fp32: within
+    # TOL of one process, as FSDP2 grouping the same two blocks (fully_shard([block 0, block 1]));
+    # bf16: within 06's bf16 bound of 06.
+    for rank_out in results(world):
+        for ours, theirs in (("chunks", "zero3"), ("chunks_bf16", "zero3_bf16")):
+            if world == 1:
+                assert rank_out[ours]["losses"] == rank_out[theirs]["losses"], ours
+        torch.testing.assert_close(rank_out["chunks_bf16"]["losses"], rank_out["zero3_bf16"]["losses"],
+                                   rtol=0, atol=ZERO3_BF16_LOSS_ATOL)
+    all_close(reference(ARGV), results(world), ("chunks", "fsdp2_chunks"), TOL)

@@ -221,9 +221,9 @@ def suite_world2(root):
     return out
 
 
-def suite_resume(root, src, step, tag, lessons, save=False, toy=False, hybrid=None):
+def suite_resume(root, src, step, tag, lessons, save=False, toy=False, hybrid=None, chunks=False):
     """`lessons` resumed from checkpoint `src` at `step`, at this launch's world size; then
-    hybrid(root), 08's runs at this world size, under "08"."""
+    hybrid(root), 08's runs at this world size, under "08"; chunks: 07's, its blocks one chunk."""
     checkpoint.KEEP = 100
     out = {}
     for lesson in lessons:
@@ -233,6 +233,9 @@ def suite_resume(root, src, step, tag, lessons, save=False, toy=False, hybrid=No
         out["toy"] = {lesson: toy_resumed(lesson, step_dir(f"{root}/toy/{lesson}", 2)) for lesson in TOY_LESSONS}
     if hybrid:
         out["08"] = hybrid(root)
+    if chunks:  # saved a unit per block, loaded into one chunk of every block (--chunk-mb)
+        copy_checkpoint(f"{root}/07_offload/{src}", step, f"{root}/07_offload/{tag}_chunks")
+        out["07 chunks"] = resume("07_offload", f"{root}/07_offload/{tag}_chunks", ["--chunk-mb", "1000"])
     return out
 
 
@@ -298,7 +301,7 @@ def world1(root):
 @functools.lru_cache(maxsize=None)
 def world3(root):
     world2(root)
-    return spawn(3, suite_resume, root, "full", 2, "w3", SHARDED)
+    return spawn(3, suite_resume, root, "full", 2, "w3", SHARDED, False, False, None, True)
 
 
 def tail(run, start):
@@ -360,6 +363,8 @@ def test_resume_at_another_world_size(root, world, start, launch):
     for out in launch(root):
         for lesson in (SHARDED if world == 3 else REPLICATED_AND_SHARDED):
             close(out[lesson], tail(full[lesson], start))
+        if world == 3:  # 07, its blocks in one chunk: the same parameters, cut in other shards
+            close(out["07 chunks"], tail(full["07_offload"], start))
             if out[lesson]["report"] is not None:
                 assert out[lesson]["report"]["world_size"] == world
                 assert out[lesson]["report"]["resumed_from"] == start

@@ -30,6 +30,8 @@ BAD = [
     # nan compares false with everything: each bound is written so that it fails there too
     (["--weight-decay", "nan"], "--weight-decay must be 0 or positive and finite, got nan"),
     (["--weight-decay", "inf"], "--weight-decay must be 0 or positive and finite, got inf"),
+    (["--chunk-mb", "-1"], "--chunk-mb must be 0 or positive and finite, got -1.0"),
+    (["--chunk-mb", "nan"], "--chunk-mb must be 0 or positive and finite, got nan"),
     (["--lr", "nan"], "--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative (finite numbers"),
     (["--lr", "inf"], "--lr, --bucket-mb and --timeout must be positive"),
     (["--grad-clip", "nan"], "--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative"),
@@ -118,6 +120,7 @@ def test_every_lesson_parses_the_shared_flags(name, monkeypatch, capsys):
 # a lesson's own flag given to another lesson, which would ignore it (and 00 trains nothing)
 @pytest.mark.parametrize("name, flags, msg", [
     ("06_zero3", ["--layout", "uneven"], "--layout is for lessons 07 only: lesson 06 would ignore it"),
+    ("06_zero3", ["--chunk-mb", "2"], "--chunk-mb is for lessons 07 only: lesson 06 would ignore it"),
     ("07_offload", ["--shard-group", "1"], "--shard-group is for lessons 08 only: lesson 07 would ignore it"),
     ("00_collectives", ["--precision", "bf16"], "--precision is for lessons 01-08 only: lesson 00 would ignore it"),
     ("00_collectives", ["--grad-accum", "2"], "--grad-accum is for lessons 01-08 only"),
@@ -133,7 +136,7 @@ def test_each_lesson_takes_its_own_flags():
     from lessonkit import common
     # (and the tuning knobs, --bucket-mb and --prefetch, anywhere: a sweep passes one set of flags to all)
     for lesson, flags in (("03", ["--bucket-mb", "1"]), ("08", ["--prefetch", "0", "--shard-group", "1"]),
-                          ("07", ["--layout", "uneven", "--prefetch", "0"]), ("01", ["--precision", "bf16"]),
+                          ("07", ["--layout", "uneven", "--prefetch", "0", "--chunk-mb", "2"]), ("01", ["--precision", "bf16"]),
                           ("04", ["--bucket-mb", "1", "--prefetch", "0"])):
         common.parse_args(flags, description=f"Lesson {lesson}: x")
 

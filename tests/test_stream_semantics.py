@@ -38,6 +38,7 @@ CASES = {
     "06_no_prefetch_bf16_accum": ("06_zero3", ZERO3 + ["--prefetch", "0"] + BF16 + ACCUM),
     "07_bf16_accum": ("07_offload", ZERO3 + BF16 + ACCUM),  # 06's collectives around the copies
     "07_uneven": ("07_offload", ZERO3 + ACCUM + ["--layout", "uneven"]),  # broadcasts and reduces
+    "07_chunks_bf16": ("07_offload", ZERO3 + BF16 + ["--chunk-mb", "0.1"]),  # blocks 0-1 one unit (~48 KiB each)
     # 2 ranks as two replicas of one shard: 5b)'s async all-reduce of each gradient shard
     "08_replicas": ("08_hybrid", ZERO3 + ACCUM + ["--shard-group", "1"]),
 }
@@ -55,6 +56,7 @@ TOYS = {f"toy_{n}": (n, dict(grad_accum=3, different_init=True, bucket_mb=2e-4))
         for n in ("02", "03", "05", "06")}
 TOYS["toy_06_no_prefetch"] = ("06", dict(grad_accum=3, prefetch=False))
 TOYS["toy_07"] = ("07", dict(grad_accum=3, different_init=True))
+TOYS["toy_06_chunk"] = ("06", dict(grad_accum=3, chunk=2))  # the frozen layer and the next one, one unit
 ASYNC = {"02", "03", "05", "06", "07", "08"}
 
 
