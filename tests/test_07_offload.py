@@ -1,6 +1,7 @@
 """Lesson 07 (ZeRO-Offload) against 06, single-process training and PyTorch's FSDP2 with
 CPUOffloadPolicy, at 1 and 4 ranks (the grader skips 4: tests/hidden runs 07 at 3); its memory
-by tier and its copies each way against the formula, measured.
+by tier and its copies each way against the formula, measured; its blocks in chunks (--chunk-mb)
+against FSDP2 grouping the same blocks.
 
 On this CPU-only machine both tiers are host memory and the copies are plain ones; the ledger
 tells the tiers apart by role (07's device_tier()). The CUDA path (pinned memory, the copy stream,
