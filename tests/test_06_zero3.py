@@ -242,6 +242,9 @@ ROUTED = {
     "routed_run_unused": dict(find_unused=True, model_kw=dict(run_unused=True)),
     # no find_unused_parameters: a parameter no rank used gets a zero gradient (AdamW moves it)
     "routed_zero_grads": dict(find_unused=False, grad_accum=2, prefetch=False),
+    # blocks 0 and 1 one unit (07's chunks): a rank whose rows skip block 1 frees it when forward
+    # moves on, one whose rows skip block 0 gathers it at block 1
+    "routed_chunks": dict(find_unused=True, grad_accum=2, chunk=2),
 }
 
 
@@ -317,10 +320,11 @@ def test_routed_experts_inside_units_match_fsdp2(world):
 def test_routed_every_rank_issues_the_same_collectives_in_the_same_order(world):
     logs = [rank_out["collectives"] for rank_out in routed_results(world)]
     assert all(log == logs[0] for log in logs)
-    # and all of them: each unit (the root and 3 blocks) gathered twice and reduce-scattered
-    # once per backward (4 steps of each run, times its micro-steps), whatever this rank skipped
-    # (and gathered once more after each run, to compare its weights)
-    backwards = sum(4 * kw.get("grad_accum", 1) for kw in ROUTED.values())
+    # and all of them: each unit (the root and 3 blocks; in chunks, the root and 2) gathered twice
+    # and reduce-scattered once per backward (4 steps of each run, times its micro-steps), whatever
+    # this rank skipped (and gathered once more after each run, to compare its weights)
+    units = {name: 3 if kw.get("chunk") else 4 for name, kw in ROUTED.items()}
+    backwards = {name: 4 * kw.get("grad_accum", 1) for name, kw in ROUTED.items()}
     ops = [op for op, *_ in logs[0]]
-    assert ops.count("all_gather_into_tensor") == 2 * 4 * backwards + 4 * len(ROUTED)
-    assert ops.count("reduce_scatter_tensor") == 4 * backwards
+    assert ops.count("all_gather_into_tensor") == sum(units[n] * (2 * backwards[n] + 1) for n in ROUTED)
+    assert ops.count("reduce_scatter_tensor") == sum(units[n] * backwards[n] for n in ROUTED)
