@@ -40,7 +40,7 @@ tiers are the same memory: the lesson runs the same schedule with plain copies, 
     torchrun --nproc_per_node=2 07_offload.py --precision bf16 # 2 bytes per parameter on the device
     torchrun --nproc_per_node=2 07_offload.py --precision fp16 # the same, the loss scaled (06's loop)
     torchrun --nproc_per_node=4 07_offload.py --device cuda    # 4 GPUs (nccl), pinned host memory
-    torchrun --nproc_per_node=2 07_offload.py --chunk-mb 1.6     # two blocks a chunk: fewer, larger collectives
+    torchrun --nproc_per_node=2 07_offload.py --chunk-mb 1.6   # two blocks a chunk: fewer, larger collectives
     torchrun --nproc_per_node=2 07_offload.py --layout uneven --vocab-size 8192  # the older layout
 
 PyTorch: FSDP2 `fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=True))`;
