@@ -79,10 +79,14 @@ def print_summary(r):
                   f"{each.index(max(each))} copies {max(each) / (sum(each) / len(each)):.2f}x the even share, and "
                   "steps as much more on its host)", flush=True)
     if m.get("cuda_step_peak") is not None:  # everything the step allocated: activations too
-        held = sum(m.get(k, 0) for k in ("params", "grads", "optimizer"))
+        states = ("params", "grads", "optimizer")  # 07: its device tier's alone, the GPU's share
+        tier = r["memory"]["theory_tiers"]["device"] if "host" in m else None
+        held = sum((m["device"] if tier else m).get(k, 0) for k in states)
+        theory = sum(tier[k] for k in states) if tier else th["total"]
         act = m.get("peak_activations") is not None and f" | activations {m['peak_activations'] / mib:.2f} (above)"
         print(f"  GPU rank 0, MiB: peak allocated in the measured step {m['cuda_step_peak'] / mib:.2f} | "
-              f"model states at rest {held / mib:.2f} (theory {th['total'] / mib:.2f}){act or ''}", flush=True)
+              f"model states at rest{' on the device' if tier else ''} {held / mib:.2f} (theory {theory / mib:.2f})"
+              f"{act or ''}", flush=True)
 
 
 def _link(name, v, mib):

@@ -7,9 +7,14 @@ On this CPU-only machine both tiers are host memory and the copies are plain one
 tells the tiers apart by role (07's device_tier()). The CUDA path (pinned memory, the copy stream,
 its events) runs in `make gpu-check` (docs/gpus.md has a run on an H100). Worlds 2 and 3 are
 drawn by the fuzzer (tests/fuzz.py holds 07 to FSDP2 and one process in every case)."""
+import contextlib
+import copy
+import io
+
 import pytest
 import torch
 
+from lessonkit.summary import print_summary
 from harness import all_close, gpt_train, held, launches, reference, run_lesson
 from lessons import build
 from test_06_zero3 import ZERO3_BF16_LOSS_ATOL, padded, unit_params, units
@@ -82,6 +87,22 @@ def test_the_device_holds_my_parameter_shard_only_the_host_the_rest(world, key):
     tiers = report["memory"]["theory_tiers"]  # the formula, without padding or step counts
     assert tiers["device"]["params"] == b * report["n_params"] / world and tiers["host"]["optimizer"] == (
         8 * report["n_params"] / world)
+
+
+def test_the_gpu_line_sets_the_device_tier_beside_the_gpu_peak():
+    # on CUDA the summary prints the step's peak allocated beside the model states at rest: for 07
+    # those of its device tier, not both tiers' (a first version printed 567 MiB there for the
+    # 29.7M GPT, whose device held 113.5). The report as 07 writes it, with a CUDA peak added.
+    report = copy.deepcopy(results(1)[0]["main"]["report"])
+    mem = report["memory"]["per_rank"][0]
+    mem["cuda_step_peak"] = 2 ** 30
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        print_summary(report)
+    line = next(x for x in printed.getvalue().splitlines() if x.strip().startswith("GPU rank 0"))
+    device = sum(mem["device"][k] for k in ("params", "grads", "optimizer")) / 2 ** 20
+    theory = sum(report["memory"]["theory_tiers"]["device"].values()) / 2 ** 20
+    assert 0 < device < sum(mem[k] for k in ("params", "grads", "optimizer")) / 2 ** 20
+    assert f"model states at rest on the device {device:.2f} (theory {theory:.2f})" in line, line
 
 
 @pytest.mark.parametrize("world", [1, 4])
