@@ -37,8 +37,11 @@ def print_summary(r):
         print(f"  overlap rank 0: NCCL kernels {ov['comm_ms']:.1f} ms | exposed {ov['exposed_ms']:.1f} ms "
               f"(no compute kernel beside them) | hidden {ov['hidden_share']:.0%}")
     elif ov is not None:
-        print(f"  overlap rank 0: comm {ov['comm_ms']:.1f} ms (issue to completion) | exposed "
-              f"{ov['exposed_ms']:.1f} ms (blocked in wait) | hidden {ov['hidden_share']:.0%}")
+        print(f"  overlap rank 0, step {comm['overlap_step']}: comm {ov['comm_ms']:.1f} ms (issue to completion) | "
+              f"exposed {ov['exposed_ms']:.1f} ms (blocked in wait) | hidden {ov['hidden_share']:.0%}")
+    elif comm["overlap_step"] != comm["measured_step"]:  # --peak-params 1, and the measured step was the last
+        print(f"  overlap: not timed (step {comm['measured_step']} sampled memory after every operation, "
+              "which slows its compute, and no step followed it; --peak-params 0 times it in that step)")
     elif r["backend"] == "nccl":
         print("  overlap: unavailable on NCCL from the CPU clock (--trace DIR measures it from GPU kernel times)")
     m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
