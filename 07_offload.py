@@ -16,7 +16,8 @@ precision (2 Psi / N bytes in bf16), and a unit's whole parameters and gradient 
     # 6) the optimizer steps on the host: fp32 masters and moments (torch's foreach AdamW, CPU)
 
 Per micro-step each rank copies Psi / N parameters up and Psi / N gradients down: up in fp32,
-down in the working precision. A non-blocking copy between host and device converts the dtype
+down in the working precision, added there into my shards' fp32 .grad (micro-steps add up in
+fp32, as in 06). A non-blocking copy between host and device converts the dtype
 on the device, so the fp32 master crosses and is cast there, as FSDP2's CPUOffloadPolicy does
 (4 + 2 bytes per element in bf16; DeepSpeed's CPU Adam writes a 2-byte copy in its step for
 "2x the model's size over PCIe", 2 + 2). Every unit is cut evenly over all ranks (06's shards),

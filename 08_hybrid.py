@@ -45,7 +45,8 @@ Relatives, each in a paragraph:
 - MiCS (Zhang et al. 2022; DeepSpeed `mics_shard_size`) is this grid: shard inside a partition
   group, replicate across. It adds a hierarchical all-gather for partition groups that span
   nodes, and with gradient accumulation it syncs across the replicas once, at the last
-  micro-step (its "2-hop" synchronisation), where 08 all-reduces at every micro-step.
+  micro-step (its "2-hop" synchronisation), where 08 all-reduces at every micro-step (the
+  micro-steps then add up in my shards' fp32 gradients, as in 06).
 
     python 08_hybrid.py                                              # one process (world size 1)
     torchrun --nproc_per_node=4 08_hybrid.py --shard-group 2         # 2 x 2 on CPU (gloo)
