@@ -35,12 +35,12 @@ class Run:
         self.copies = self.wire = None  # (wire: under --collectives ring, per process group)
         self.cuda = env.device.type == "cuda"
         self.comm = CommMeter(env.world_size, cpu_timed=env.backend == "gloo" and not self.cuda)
-        # --peak-params 1 samples memory after every operation of the measured step, which makes
-        # its compute several times slower and its communication look hidden (02 on a 0.25 Gb/s
-        # simulated link: 80% there, 20% in a plain step): the overlap is then timed in the step
-        # after it, by a meter of its own (None where no step follows)
+        # --peak-params 1 samples memory after every op of the measured step: its compute slows
+        # several-fold and its communication looks hidden (02 on a 0.25 Gb/s link: 80%; 20% in a
+        # plain step). The overlap is then timed in the next step, by a meter of its own.
         self.timing = (CommMeter(env.world_size, cpu_timed=True)
                        if self.comm.cpu_timed and getattr(args, "peak_params", 1) else self.comm)
+        self.timed_step = None  # the step self.timing measured, once it has
         self.cuda_step_peak = self.peak_params = self.peak_grads = self.params_timeline = self.trace = None
         self.peak_activations = None
         if getattr(args, "trace", None):  # a tool's, imported only then (it draws with matplotlib)
@@ -77,6 +77,7 @@ class Run:
                 self.cuda_step_peak = torch.cuda.max_memory_allocated()
         else:  # with --peak-params 1, the step after the measured one times the overlap
             timed = self.timing is not self.comm and step == self.measure_step + 1
+            self.timed_step = step if timed else self.timed_step
             with self.timing.measuring() if timed else nullcontext():
                 yield micro_losses
                 self._sync()
@@ -191,7 +192,7 @@ class Run:
                      # rank 0's; CommMeter.overlap gives the definition, timelines.gpu_overlap on CUDA
                      # (None there without --trace: unavailable, not zero)
                      "overlap": gathered[0]["overlap"],
-                     "overlap_step": self.measure_step + (self.timing is not self.comm),  # (timing's comment)
+                     "overlap_step": self.measure_step if self.timing is self.comm else self.timed_step,  # None: untimed
                      "overlap_per_rank": [g["overlap"] for g in gathered]},
             "copies_per_rank": [g["copies"] for g in gathered] if gathered[0]["copies"] else None,
             "memory": {"per_rank": [g["memory"] for g in gathered], "theory": mem_theory,

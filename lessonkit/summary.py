@@ -39,7 +39,7 @@ def print_summary(r):
     elif ov is not None:
         print(f"  overlap rank 0, step {comm['overlap_step']}: comm {ov['comm_ms']:.1f} ms (issue to completion) | "
               f"exposed {ov['exposed_ms']:.1f} ms (blocked in wait) | hidden {ov['hidden_share']:.0%}")
-    elif comm["overlap_step"] != comm["measured_step"]:  # --peak-params 1, and the measured step was the last
+    elif comm["overlap_step"] is None:  # --peak-params 1, and the measured step was the last
         print(f"  overlap: not timed (step {comm['measured_step']} sampled memory after every operation, "
               "which slows its compute, and no step followed it; --peak-params 0 times it in that step)")
     elif r["backend"] == "nccl":
