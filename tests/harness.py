@@ -211,7 +211,7 @@ def reference(argv, steps=None):
         scaler.update()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses,
+    return {"losses": losses, "loss_scale": scaler.report(),  # (fp16: the steps it skipped; else None)
             "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
 
 

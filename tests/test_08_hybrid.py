@@ -14,7 +14,7 @@ import torch
 from harness import all_close, close, gpt_train, held, launches, memory_theory, reference, run_lesson
 from lessons import build
 from test_06_zero3 import padded, unit_params, units
-from tolerances import TOL
+from tolerances import FP16_LOSS_TOL, FP16_PARAM_TOL, TOL
 from toy import make_toy, toy_batch, toy_reference, toy_train
 from zero_parity import SGD, held_pieces
 
@@ -25,6 +25,9 @@ CLIP = 0.05  # acts at every step: a norm counted over the replicas too (R times
 # Two simulated nodes of 2 ranks: a fast link inside each, a slow one between (its latency and
 # bandwidth both well above what 4 ranks on 2 cores cost per send). No per-op sampling: timed.
 NODES = ["--link", "10:5", "--inter-link", "0.05:1000", "--peak-params", "0"]
+# fp16 on the 2 x 2 grid, 2 micro-steps, at a loss scale this GPT's gradients overflow at steps 0
+# and 1 (measured): both skipped on every rank, as one process with the same scaler skips them
+FP16 = ARGV + ["--precision", "fp16", "--loss-scale", str(2 ** 20), "--grad-accum", "2"]
 GLOO_HEADER = 144  # bytes gloo writes beside each send's payload (test_ring_collectives measured it)
 
 
@@ -38,6 +41,7 @@ def suite(world):
                 "toy": toy_train(build, "08", grad_accum=3, different_init=True, shard_group=2),
                 # SGD sees the gradient's scale (a mean over N, not G) and clipping's norm
                 "toy_sgd_clip": toy_train(build, "08", steps=3, grad_clip=CLIP, shard_group=2, **SGD),
+                "fp16": run_lesson(LESSON, FP16),
                 # last: they leave the ring installed (the runs above use torch's collectives)
                 "ring": run_lesson(LESSON, ARGV + ["--shard-group", "2", *NODES]),
                 "zero3_ring": run_lesson("06_zero3", ARGV + ["--ranks-per-node", "2", *NODES])}
@@ -74,6 +78,19 @@ def link(report, name):
 @pytest.mark.parametrize("world, key, g", RUNS)
 def test_matches_single_process(world, key, g):
     all_close(reference(ARGV), results(world), (key,), TOL)
+
+
+def test_fp16_on_the_2x2_grid_skips_the_same_steps_and_trains_as_one_process():
+    # the found-inf flag over the world, 5b)'s all-reduce across the replicas, micro-steps adding
+    # up in the fp32 shards: 4 steps, within the bounds tolerances.py sets for test_fp16's 6
+    want = reference(FP16)
+    assert want["loss_scale"]["skipped_steps"] == [0, 1]
+    for rank, rank_out in enumerate(results(4)):
+        got = rank_out["fp16"]
+        torch.testing.assert_close(got["losses"], want["losses"], **FP16_LOSS_TOL, msg=f"rank {rank}")
+        for name, p in got["params"].items():
+            torch.testing.assert_close(p, want["params"][name], **FP16_PARAM_TOL, msg=f"rank {rank} {name}")
+    assert results(4)[0]["fp16"]["report"]["loss_scale"] == want["loss_scale"]  # the scale, the skips
 
 
 def test_without_a_flag_the_shard_group_is_the_node():

@@ -4,7 +4,8 @@ and collectives, fp32 master weights and moments, and dynamic loss scaling writt
 
 - single-process fp16 training on the whole batch with the same scaler (harness.reference):
   01-03, 04, 05 and 06 with 2 micro-steps (their gradient shards add up in fp32); 06, 07 and 08
-  at --shard-group 1 (2 replicas of one shard: 5b)'s all-reduce; a 2 x 2 grid needs 4 ranks)
+  at --shard-group 1 (2 replicas of one shard: 5b)'s all-reduce; the 2 x 2 grid, 4 ranks, is
+  tests/test_08_hybrid.py's)
   with 2 micro-steps and clipping unreached (CLIP_UNREACHED), as beside FSDP2;
 - PyTorch's DistributedDataParallel with torch.amp.GradScaler("cpu"), in the lessons' own loop,
   bit for bit. GradScaler unscales the gradients of the optimizer's param_groups, and refuses
