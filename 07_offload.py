@@ -236,7 +236,7 @@ def chunks(mb, blocks):
     out, room = [], 0
     for block in blocks:
         size = 4 * sum(p.numel() for p in block.parameters())  # (on the meta device: shapes only)
-        if size > room:
+        if size > room or not out:  # (a first block without parameters starts a chunk too)
             out.append([])
             room = mb * 2 ** 20
         out[-1].append(block)

@@ -301,7 +301,7 @@ def world1(root):
 @functools.lru_cache(maxsize=None)
 def world3(root):
     world2(root)
-    return spawn(3, suite_resume, root, "full", 2, "w3", SHARDED, False, False, None, True)
+    return spawn(3, suite_resume, root, "full", 2, "w3", SHARDED, False, False, None, True)  # (save, toy, hybrid, chunks)
 
 
 def tail(run, start):
