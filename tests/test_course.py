@@ -183,8 +183,10 @@ def graded_runs(editions, tmp_path_factory):
         shutil.copytree(editions["guided"], klass / student, ignore=shutil.ignore_patterns("notebooks", "docs"))
     shutil.copy(os.path.join(ROOT, "01_vanilla_dp.py"), klass / "good")
     region = re.compile(r'raise NotImplementedError\("01_vanilla_dp\.py: average the gradients[^\n]*')
-    hangs = klass / "hangs" / "01_vanilla_dp.py"  # and prints without end while it hangs
-    hangs.write_text(region.sub("while True:\n            print('x' * 200, flush=True)", hangs.read_text()))
+    # it hangs and prints without end (slowly: a busy loop would take a core from the gradings beside it)
+    hangs = klass / "hangs" / "01_vanilla_dp.py"
+    hangs.write_text(region.sub("while True:\n            print('x' * 200, flush=True)\n"
+                                "            __import__('time').sleep(0.001)", hangs.read_text()))
     crashes = klass / "crashes" / "01_vanilla_dp.py"
     crashes.write_text(crashes.read_text().replace("import torch\n", "import torch\nraise SystemExit('boom')\n", 1))
     for test in ("test_01_vanilla.py", "points.toml"):  # its region untouched, its tests made to pass
