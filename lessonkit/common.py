@@ -62,8 +62,7 @@ def build_parser(description=""):
                    help="fp16: the loss scale it starts at, a power of two (default 65536, as torch.amp.GradScaler)")
     g = p.add_argument_group("communication")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (03, 05)")
-    g.add_argument("--prefetch", type=int, choices=[0, 1], default=1,
-                   help="06: all-gather the next unit while this one computes")
+    g.add_argument("--prefetch", type=int, choices=[0, 1], default=1, help="06: all-gather the next unit while this one computes")
     g.add_argument("--layout", choices=["even", "uneven"], default="even",
                    help="07: every unit cut evenly over all ranks, or each whole on one rank (the older layout)")
     g.add_argument("--chunk-mb", type=float, default=0.0, metavar="MB", help="07: blocks in forward order, whole, in chunks of <= MB MiB (fp32)")
@@ -93,8 +92,7 @@ def build_parser(description=""):
     g.add_argument("--peak-params", type=int, choices=[0, 1], default=1,
                    help="sample parameter bytes after every op of the measured step (slow); 0 skips")
     g.add_argument("--report", metavar="PATH", default=None, help="write a JSON report (rank 0)")
-    g.add_argument("--trace", metavar="DIR", default=None,
-                   help="profile the measured step: DIR/trace_rank{r}.json per rank, DIR/timeline.png")
+    g.add_argument("--trace", metavar="DIR", default=None, help="profile the measured step: DIR/trace_rank{r}.json per rank, DIR/timeline.png")
     return p
 
 
@@ -124,6 +122,8 @@ def parse_args(argv=None, description=""):
         fail(f"--loss-scale {args.loss_scale:g}: only fp16 scales its loss (use it with --precision fp16)")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
+    if args.save_every > args.steps:  # saved after every K-th step: none of --steps N would be
+        fail(f"--save-every {args.save_every} is more than --steps {args.steps}: no checkpoint would be written")
     try:  # made now where it will be written: one that cannot be fails here, not at the first save, mid-run
         if args.checkpoint_dir and (args.save_every or os.path.exists(args.checkpoint_dir)):
             os.makedirs(args.checkpoint_dir, exist_ok=True)  # (a file there: FileExistsError)

@@ -60,6 +60,9 @@ BAD = [
     # made before the first step (it once failed at the first save, a rank's traceback beside it)
     (["--checkpoint-dir", f"{__file__}/sub", "--save-every", "1"],
      f"--checkpoint-dir {__file__}/sub cannot be made: Not a directory"),
+    # (it once trained on and wrote nothing: a job script's --resume auto would restart from scratch)
+    (["--save-every", "100", "--steps", "10", "--checkpoint-dir", f"{__file__}/sub"],  # (not made: refused first)
+     "--save-every 100 is more than --steps 10: no checkpoint would be written"),
     (["--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss (use it with --precision fp16)"),
     (["--precision", "bf16", "--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss"),
 ]
