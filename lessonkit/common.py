@@ -25,12 +25,6 @@ class _Parser(argparse.ArgumentParser):
         fail(message)
 
 
-def _auto(value):  # --resume alone is True: a checkpoint must be there; --resume auto: if there is one
-    if value != "auto":
-        raise argparse.ArgumentTypeError(f"expected auto or nothing, got {value!r}")
-    return value
-
-
 def build_parser(description=""):
     # RawDescriptionHelpFormatter: --help prints the lesson's docstring as written, not reflowed
     p = _Parser(description=description, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,7 +74,8 @@ def build_parser(description=""):
     g = p.add_argument_group("checkpoints (checkpoint.py)")
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="DIR/step_NNNNNN/: each rank's shard, meta.json, COMPLETE")
     g.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps; 0 never")
-    g.add_argument("--resume", nargs="?", const=True, default=False, type=_auto, metavar="auto",
+    # --resume alone is True: a checkpoint must be there; --resume auto: if there is one
+    g.add_argument("--resume", nargs="?", const=True, default=False, choices=["auto"], metavar="auto",
                    help="continue from the newest complete checkpoint in --checkpoint-dir, at any world size; "
                         "auto: from it if there is one, else from step 0 (a job script under torchrun --max-restarts)")
     g = p.add_argument_group("run-time and measurement")
@@ -91,7 +86,7 @@ def build_parser(description=""):
     g.add_argument("--measure-step", type=int, default=2, help="the step whose communication and memory are measured")
     g.add_argument("--peak-params", type=int, choices=[0, 1], default=1,
                    help="sample parameter bytes after every op of the measured step (slow); 0 skips")
-    g.add_argument("--report", metavar="PATH", default=None, help="write a JSON report (rank 0)")
+    g.add_argument("--report", metavar="PATH", default=None, help="write a JSON report (rank 0; its folder is made before the first step)")
     g.add_argument("--trace", metavar="DIR", default=None, help="profile the measured step: DIR/trace_rank{r}.json per rank, DIR/timeline.png")
     return p
 
@@ -124,12 +119,16 @@ def parse_args(argv=None, description=""):
         fail("--resume and --save-every need --checkpoint-dir DIR")
     if args.save_every > args.steps:  # saved after every K-th step: none of --steps N would be
         fail(f"--save-every {args.save_every} is more than --steps {args.steps}: no checkpoint would be written")
-    try:  # made now where it will be written: one that cannot be fails here, not at the first save, mid-run
-        if args.checkpoint_dir and (args.save_every or os.path.exists(args.checkpoint_dir)):
-            os.makedirs(args.checkpoint_dir, exist_ok=True)  # (a file there: FileExistsError)
-    except OSError as e:
-        fail(f"--checkpoint-dir {args.checkpoint_dir} " + ("is a file, not a directory" if isinstance(e, FileExistsError)
-                                                          else f"cannot be made: {e.strerror}"))
+    if args.report and os.path.isdir(args.report):
+        fail(f"--report {args.report} is a directory: give the path of the JSON file to write")
+    saves = args.checkpoint_dir if args.checkpoint_dir and (args.save_every or os.path.exists(args.checkpoint_dir)) else None
+    report_dir = args.report and os.path.dirname(os.path.abspath(args.report))
+    for flag, folder, named in (("--checkpoint-dir", saves, saves), ("--trace", args.trace, args.trace),
+                                ("--report", report_dir, f"{args.report}: its directory {report_dir}")):
+        try:  # made now where it will be written: one that cannot be fails here, not at a save or the run's end
+            os.makedirs(folder, exist_ok=True) if folder else None  # (a file there: FileExistsError)
+        except OSError as e:
+            fail(f"{flag} {named} " + ("is a file, not a directory" if isinstance(e, FileExistsError) else f"cannot be made: {e.strerror}"))
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
     for flag, spec in ((f, s) for f, s in (("--link", args.link), ("--inter-link", args.inter_link)) if s is not None):
         if args.collectives == "torch":

@@ -63,6 +63,11 @@ BAD = [
     # (it once trained on and wrote nothing: a job script's --resume auto would restart from scratch)
     (["--save-every", "100", "--steps", "10", "--checkpoint-dir", f"{__file__}/sub"],  # (not made: refused first)
      "--save-every 100 is more than --steps 10: no checkpoint would be written"),
+    # the report's and the trace's folders, like the checkpoints': made before the first step, or refused then
+    # (a report that could not be written once failed at the run's end, after all its steps)
+    (["--report", os.path.dirname(__file__)], f"--report {os.path.dirname(__file__)} is a directory: give the path"),
+    (["--report", f"{__file__}/r.json"], f"--report {__file__}/r.json: its directory {__file__} is a file, not a directory"),
+    (["--trace", __file__], f"--trace {__file__} is a file, not a directory"),
     (["--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss (use it with --precision fp16)"),
     (["--precision", "bf16", "--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss"),
 ]
@@ -111,6 +116,14 @@ def error_of(main, argv, monkeypatch, capsys):
 def test_bad_flags_name_themselves(flags, msg, monkeypatch, capsys):
     from lessonkit import common
     assert msg in error_of(common.parse_args, flags, monkeypatch, capsys)
+
+
+def test_the_reports_and_the_traces_folders_are_made_before_the_first_step(tmp_path, monkeypatch):
+    from lessonkit import common
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    common.parse_args(["--report", str(tmp_path / "runs" / "06" / "report.json"), "--trace", str(tmp_path / "trace")])
+    assert (tmp_path / "runs" / "06").is_dir() and (tmp_path / "trace").is_dir()
+    assert not (tmp_path / "runs" / "06" / "report.json").exists()  # written at the end, by rank 0
 
 
 @pytest.mark.parametrize("name", LESSONS[1:])
