@@ -126,7 +126,8 @@ def parse_args(argv=None, description=""):
     for flag, folder, named in (("--checkpoint-dir", saves, saves), ("--trace", args.trace, args.trace),
                                 ("--report", report_dir, f"{args.report}: its directory {report_dir}")):
         try:  # made now where it will be written: one that cannot be fails here, not at a save or the run's end
-            os.makedirs(folder, exist_ok=True) if folder else None  # (a file there: FileExistsError)
+            if folder:
+                os.makedirs(folder, exist_ok=True)  # (a file there: FileExistsError)
         except OSError as e:
             fail(f"{flag} {named} " + ("is a file, not a directory" if isinstance(e, FileExistsError) else f"cannot be made: {e.strerror}"))
     args.measure_step = min(max(args.measure_step, 0), args.steps - 1)
