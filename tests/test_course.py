@@ -211,7 +211,8 @@ def graded_runs(editions, tmp_path_factory):
              # A per-test limit of 300 s, not points.toml's 120: this grading runs beside two others
              # on 2 cores, and a test that launches ranks twice as fresh interpreters (08's first,
              # results(4) then results(2)) once ran past 120 s in the untouched edition, under the
-             # load of other processes besides (6 s alone). The limits are the class's test, below.
+             # load of other processes besides (6 s alone; the class's hanging submission then printed
+             # in a busy loop, a core's worth, and now sleeps). The limits are the class's test, below.
              "full": _grade_class(full, full / "out", "--points", str(_points_skipping(full, [2, 4])),
                                   "--test-timeout", "300"),
              "class": _grade_class(klass, klass / "out", "--lessons", "01", "--jobs", "1",
