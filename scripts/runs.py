@@ -31,6 +31,15 @@ def at_least(low, kind=int):
     return parse
 
 
+def usable_cpus():
+    """The CPUs this process may run on: under a container's or taskset's CPU mask that is fewer
+    than the machine has (os.cpu_count()), and more threads or ranks than these only take turns."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity off Linux (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def grid_args(script, nproc, args=()):
     """08's grid when the caller names none: two "nodes" of nproc / 2 ranks (1 x 1 alone), so a
     tool's 08 row shows hybrid sharding, not 08's default on one node: one group (06)."""

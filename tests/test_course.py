@@ -280,6 +280,19 @@ def test_points_split_over_weighted_groups_with_partial_credit():
     assert (visible_only["points"], visible_only["earned"]) == (6, 4.5)
 
 
+def test_grade_class_grades_as_many_at_once_as_this_process_has_cpus(tmp_path, monkeypatch, capsys):
+    # a container or `taskset` allows 3 of the machine's 64 CPUs: 64 gradings at once would take turns
+    from scripts.course import grade_class
+    (tmp_path / "alice").mkdir()
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9}, raising=False)
+    monkeypatch.setattr(grade_class, "grade_one", lambda student, *_: {"student": student, "rows": [], "status": "ok",
+                                                                       "seconds": 0.0})
+    monkeypatch.setattr(grade_class, "write", lambda *_: None)
+    assert grade_class.main([str(tmp_path), "--lessons", "01"]) == 0
+    assert f"grading 1 submissions from {tmp_path}, 3 at a time" in capsys.readouterr().out
+
+
 def test_grade_class_without_a_folder_says_so_in_one_line():
     # -n: make checks the recipe's guard without running set-up or grading anything
     out = subprocess.run(["make", "-n", "grade-class"], cwd=ROOT, capture_output=True, text=True)

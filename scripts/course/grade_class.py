@@ -30,7 +30,7 @@ import time
 import zipfile
 
 from scripts.course import grade
-from scripts.runs import ROOT, at_least
+from scripts.runs import ROOT, at_least, usable_cpus
 
 ARCHIVES = (".zip", ".tar.gz", ".tgz")
 
@@ -118,7 +118,8 @@ def main(argv=None):
     p.add_argument("--out", default=".", help="where grades.csv and grades.json go (default: here)")
     p.add_argument("--points", default=grade.POINTS, help="default: tests/points.toml")
     p.add_argument("--lessons", nargs="+", help="grade these lessons only, e.g. 01 03_buckets")
-    p.add_argument("--jobs", type=at_least(1), default=os.cpu_count() or 1, help="submissions at once (default: cores)")
+    p.add_argument("--jobs", type=at_least(1), default=usable_cpus(),
+                   help="submissions at once (default: the CPUs this process may use)")
     p.add_argument("--test-timeout", type=at_least(1, float), help="seconds per test (default: points.toml's)")
     p.add_argument("--timeout", type=at_least(1, float), help="seconds per submission (default: points.toml's)")
     a = p.parse_args(argv)

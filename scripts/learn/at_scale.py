@@ -25,6 +25,7 @@ from scripts.learn.cost_model import (CLUSTERS, GPU, LESSONS, MODELS, OPS, STAGE
                                       collective_time, flops_per_token, gpt, llama, step)
 from scripts.learn.zero_calc import count, parse_count
 from lessonkit.theory import RING_FACTOR
+from scripts.runs import usable_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "runs", "at_scale")
@@ -251,7 +252,7 @@ def fit_link(results, n):
 def calibrate():
     from scripts.runs import launch
     os.makedirs(OUT, exist_ok=True)
-    cores, t0 = os.cpu_count(), time.time()
+    cores, t0 = usable_cpus(), time.time()
     lessons = list(LESSONS)
     print(f"measuring: compute (1 thread), gloo at {CAL_WORLDS} ranks, lessons {', '.join(lessons)} ...", flush=True)
     cal = {"machine": machine(), "flags": CAL_FLAGS, "worlds": {}}
@@ -349,7 +350,7 @@ def calibration_table(cal):
 def machine():
     import platform
     import torch
-    return {"cores": os.cpu_count(), "torch": torch.__version__.split("+")[0], "cpu": platform.processor() or platform.machine()}
+    return {"cores": usable_cpus(), "torch": torch.__version__.split("+")[0], "cpu": platform.processor() or platform.machine()}
 
 
 # ----------------------------------------------------------------------------- calibration on a simulated link

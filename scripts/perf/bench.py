@@ -31,7 +31,7 @@ import statistics
 
 import torch
 
-from scripts.runs import ROOT, at_least, available_lessons, device_and_host, grid_args, launch, mib
+from scripts.runs import ROOT, at_least, available_lessons, device_and_host, grid_args, launch, mib, usable_cpus
 
 COUNTERPART = {"01_vanilla_dp": "ddp", "02_async_allreduce": "ddp", "03_buckets": "ddp",
                "04_zero1": "zero_redundancy", "05_zero2": "fsdp2_noreshard", "06_zero3": "fsdp2",
@@ -226,7 +226,7 @@ def main():
         results[config] = summarize(todo, medians, info)
         print(table_for(config, results[config]), flush=True)  # as soon as it is known
     header = (f"{a.nproc} ranks, CPU (gloo), {platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores, torch {torch.__version__}, {a.rounds} interleaved rounds x {a.steps} steps"
+              f"{usable_cpus()} cores, torch {torch.__version__}, {a.rounds} interleaved rounds x {a.steps} steps"
               + (" (--quick: a tiny model)" if a.quick else ""))
     md = header + "\n" + "\n".join(table_for(c, s) for c, s in results.items()) + "\n"
     print("\n" + md)
@@ -234,7 +234,7 @@ def main():
     with open(os.path.join(a.out, "bench.md"), "w") as f:
         f.write(md)
     doc = {"meta": {"header": header, "nproc": a.nproc, "rounds": a.rounds, "steps": a.steps, "quick": a.quick,
-                    "timed_steps": f"3..{a.steps - 2}", "torch": torch.__version__, "cores": os.cpu_count()},
+                    "timed_steps": f"3..{a.steps - 2}", "torch": torch.__version__, "cores": usable_cpus()},
            "configs": {c: {**s, "flags": CONFIGS[c] + (QUICK if a.quick else [])} for c, s in results.items()}}
     for path in [os.path.join(a.out, "bench.json")] + ([a.json] if a.json else []):
         with open(path, "w") as f:

@@ -51,7 +51,7 @@ import sys
 import tempfile
 
 from lessonkit import summary
-from scripts.runs import FP16_LESSONS, LESSONS, device_and_host, launch, mib
+from scripts.runs import FP16_LESSONS, LESSONS, device_and_host, launch, mib, usable_cpus
 
 CHECKED = list(LESSONS)
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -113,15 +113,6 @@ def compare(got, want, tol):
     return gap, None if gap <= tol else f"{gap:.1e} apart (tolerance {tol:g})"
 
 
-def cpu_threads():
-    """The CPUs this process may run on: under a container's or taskset's CPU mask that is fewer
-    than the machine has, and more threads than CPUs only take turns."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no sched_getaffinity off Linux (macOS, Windows)
-        return os.cpu_count() or 1
-
-
 def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
@@ -181,7 +172,7 @@ def sweep(worlds, lessons, flags, env=None):
 
 def cpu_reference(flags):
     """The same training on the CPU, one process: the report whose losses every GPU run is compared with."""
-    return launch("01_vanilla_dp", 1, [*flags, "--device", "cpu"], threads=cpu_threads())
+    return launch("01_vanilla_dp", 1, [*flags, "--device", "cpu"], threads=usable_cpus())
 
 
 def median_step(r):

@@ -38,7 +38,7 @@ import platform
 import statistics
 import time
 
-from scripts.runs import ROOT, at_least, available_lessons, launch, mib
+from scripts.runs import ROOT, at_least, available_lessons, launch, mib, usable_cpus
 
 # n_layer, d_model, n_head: Psi from about 1M to about 50M (exact counts printed from the model:
 # a block holds 12 d^2 + 13 d parameters; the embeddings (64 + 32) d, the final norm 2 d)
@@ -279,10 +279,10 @@ def main():
         p.error(f"--steps must be at least {WARMUP + 2}: warm-up, one timed step, the measured one")
     lessons = a.lessons or available_lessons()
     flags = [*FLAGS, "--steps", str(a.steps), "--measure-step", str(a.steps - 1), "--precision", a.precision]
-    result = {"meta": {"torch": _torch_version(), "cores": os.cpu_count(),
+    result = {"meta": {"torch": _torch_version(), "cores": usable_cpus(),
                        "machine": platform.processor() or platform.machine(), "precision": a.precision,
                        "steps": a.steps, "warmup": WARMUP, "flags": flags,
-                       "summary": f"CPU (gloo), {os.cpu_count()} cores, torch {_torch_version()}, {a.precision}, "
+                       "summary": f"CPU (gloo), {usable_cpus()} cores, torch {_torch_version()}, {a.precision}, "
                                   f"global batch 8 x seq 32, median of steps {WARMUP}..{a.steps - 2} of {a.steps}"},
               "sizes": {s: {"n_layer": d[0], "d_model": d[1], "n_head": d[2]} for s, d in sizes.items()},
               "lessons": lessons, "worlds": sorted(a.worlds), "rows": []}
