@@ -1,12 +1,16 @@
 # The two commands of the quick start. Each sets up .venv (pinned, torch first) when missing.
 # PYTHON=python3 make <target>: use that interpreter and its torch as they are, build no .venv
 # (a GPU machine with torch preinstalled and no network).
-.PHONY: demo test bench scaling figures setup lecture diffs timelines gpu-check at-scale
+.PHONY: help demo test bench scaling figures setup lecture diffs timelines gpu-check at-scale
+.DEFAULT_GOAL := help
 export OMP_NUM_THREADS ?= 1
 export PYTHONWARNINGS ?= ignore::FutureWarning
 PY := $(if $(PYTHON),$(PYTHON),.venv/bin/python)
 
-setup:
+help:            ## this list (plain `make` prints it)
+	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):[^#]*## /  make \1\t/' | expand -t 26
+
+setup:           ## make .venv when it is missing (pinned, torch first; PYTHON=... uses that interpreter instead)
 	@$(if $(PYTHON),true,bash scripts/setup.sh)
 
 demo: setup      ## run every lesson at 2 ranks on CPU and print one comparison table

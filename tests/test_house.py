@@ -10,6 +10,7 @@ side.
 import glob
 import os
 import re
+import subprocess
 
 from graded import ROOT
 
@@ -74,3 +75,12 @@ def test_every_relative_link_in_the_docs_leads_to_a_file():
         broken += [(os.path.relpath(page, ROOT), t) for t in targets if not t.startswith(("http:", "https:", "mailto:"))
                    and not os.path.exists(os.path.join(os.path.dirname(page), t))]
     assert not broken, broken
+
+
+def test_plain_make_lists_every_documented_target():
+    out = subprocess.run(["make"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    listed = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("  make ")]
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        documented = re.findall(r"(?m)^([a-z-]+):.*## ", f.read())
+    assert listed == documented and {"demo", "test", "setup", "gpu-check", "fuzz"} <= set(listed), out.stdout
