@@ -53,10 +53,35 @@ def available_lessons():
     return [name for name in LESSONS if os.path.exists(os.path.join(ROOT, f"{name}.py"))]
 
 
+class LaunchFailed(RuntimeError):
+    """A launch that exited non-zero; its message: the command's line, then the run's output."""
+
+
+def why_failed(e):
+    """A failed launch in one line: the run's own error line, else how torchrun exited. (The
+    error holds the command's line, then the run's output, torchrun's traceback included.)"""
+    lines = str(e).splitlines()
+    said = next((line for line in lines[1:] if line.lower().startswith("error")), None)
+    return said or "exited " + lines[0].split()[-1].rstrip(":")
+
+
+def tool_main(name, main):
+    """Run a tool's `main`: a launch that fails ends the tool with one line, the run's own error,
+    and exit 1, the command and its whole output in runs/<name>/failed_run.log, not a traceback."""
+    try:
+        return main()
+    except LaunchFailed as e:
+        path = os.path.join(ROOT, "runs", name, "failed_run.log")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"{e}\n")
+        sys.exit(f"{name}: a run failed: {why_failed(e)} (its command and output: {os.path.relpath(path)})")
+
+
 def launch(script, nproc, args=(), echo=False, report=True, threads=1, env=None):
     """Run `script` (a lesson's name, or a tool's module such as "scripts.perf.sweep") on `nproc` CPU ranks (gloo, also on a
     machine with GPUs; a `--device` in args overrides), `threads` each, `env` added to the
-    environment; return its report (a dict) or raise with the run's output."""
+    environment; return its report (a dict) or raise LaunchFailed with the run's output."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "report.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
@@ -68,10 +93,10 @@ def launch(script, nproc, args=(), echo=False, report=True, threads=1, env=None)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True)
         output = proc.stdout + "".join(l + "\n" for l in proc.stderr.splitlines()
                                        if not l.startswith(("W", "I")) or "error" in l.lower())
+        if proc.returncode != 0:  # (not echoed: torchrun's traceback is in it; tool_main says one line)
+            raise LaunchFailed(f"{' '.join(cmd)} exited {proc.returncode}:\n{output}")
         if echo:
             print(output, end="", flush=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{output}")
         if not report:
             return output
         with open(path) as f:

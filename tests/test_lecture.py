@@ -46,6 +46,19 @@ def test_lecture_table(link):
         assert all(abs(float(m) - float(t)) <= 0.001 + 1e-9 for m, t in zip(held[0::2], held[1::2])), r
 
 
+def test_a_run_that_fails_ends_the_tool_in_one_line():
+    # the lesson's own error, not torchrun's traceback (the tools share scripts.runs.tool_main;
+    # bench --nproc 3, whose global batch 3 ranks do not divide, once ended in two walls of them)
+    out = subprocess.run([sys.executable, "-m", "scripts.learn.lecture", "--link", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert out.returncode == 1 and lines == [
+        "lecture: a run failed: error: --link '1': expected GBPS:LATENCY_US, e.g. 1:50 (1 Gb/s, 50 us) "
+        "(its command and output: runs/lecture/failed_run.log)"], out.stdout + out.stderr
+    with open(os.path.join(ROOT, "runs", "lecture", "failed_run.log")) as f:
+        assert "ChildFailedError" in f.read()  # torchrun's report, kept for whoever needs it
+
+
 def test_hybrid_defaults_to_two_nodes_on_a_slow_link_between():
     assert lecture.hybrid_flags(4, ["--steps", "3"]) == (
         ["06_zero3", "08_hybrid"], ["--steps", "3", "--link", "10:5", "--inter-link", "0.5:100", "--ranks-per-node", "2"])

@@ -25,7 +25,7 @@ from scripts.learn.cost_model import (CLUSTERS, GPU, LESSONS, MODELS, OPS, STAGE
                                       collective_time, flops_per_token, gpt, llama, step)
 from scripts.learn.zero_calc import count, parse_count
 from lessonkit.theory import RING_FACTOR
-from scripts.runs import usable_cpus
+from scripts.runs import tool_main, usable_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "runs", "at_scale")
@@ -705,4 +705,4 @@ def override(link, gbps, us):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(tool_main("at_scale", main))

@@ -6,8 +6,9 @@
 """
 import argparse
 import statistics
+import sys
 
-from scripts.runs import at_least, available_lessons, device_and_host, grid_args, launch, mib
+from scripts.runs import at_least, available_lessons, device_and_host, grid_args, launch, mib, tool_main
 
 
 def main():
@@ -48,4 +49,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(tool_main("demo", main))

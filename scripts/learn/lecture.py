@@ -37,36 +37,23 @@ link's bytes per step (the busiest rank's: issued, on the wire, theory), the ran
 between nodes, the bytes rank 0 holds at rest, and the step time.
 """
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 
 from scripts.perf.sweep import NO_PREFETCH
-from scripts.runs import ROOT, at_least, available_lessons, device_and_host
+from scripts.runs import ROOT, at_least, available_lessons, device_and_host, launch, tool_main
 
 CHECK, CROSS = "\u2713", "\u2717"
 
 
 def run_sweep(nproc, steps, flags, lessons=None):
-    """The lessons (default: all, and 06 without prefetch) in one torchrun launch; return {lesson: report}.
-    Raise with the output if it fails."""
+    """The lessons (default: all, and 06 without prefetch) in one torchrun launch on the CPU; return
+    {lesson: report}. A failed run raises runs.LaunchFailed (tool_main: one line)."""
     lessons = lessons or [run for l in available_lessons() for run in ([l, NO_PREFETCH] if l == "06_zero3" else [l])]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "sweep.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "scripts.perf.sweep", "--report", path, "--lessons", *lessons,
-               "--device", "cpu", "--track-peak",  # no per-operation sampling: the table shows memory at rest
-               "--steps", str(steps), "--log-every", str(max(steps, 1)), *flags]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True)
-        if proc.returncode != 0 or not os.path.exists(path):
-            sys.stderr.write(proc.stdout + proc.stderr)
-            raise SystemExit(f"lecture: {' '.join(cmd)} exited {proc.returncode}")
-        with open(path) as f:
-            out = json.load(f)
+    out = launch("scripts.perf.sweep", nproc, ["--lessons", *lessons,
+                                               "--track-peak",  # no per-operation sampling: memory at rest
+                                               "--steps", steps, "--log-every", max(steps, 1), *flags])
     return out["worlds"][str(nproc)]["reports"]
 
 
@@ -170,4 +157,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(tool_main("lecture", main))

@@ -28,10 +28,11 @@ import json
 import os
 import platform
 import statistics
+import sys
 
 import torch
 
-from scripts.runs import ROOT, at_least, available_lessons, device_and_host, grid_args, launch, mib, usable_cpus
+from scripts.runs import ROOT, at_least, available_lessons, device_and_host, grid_args, launch, mib, tool_main, usable_cpus
 
 COUNTERPART = {"01_vanilla_dp": "ddp", "02_async_allreduce": "ddp", "03_buckets": "ddp",
                "04_zero1": "zero_redundancy", "05_zero2": "fsdp2_noreshard", "06_zero3": "fsdp2",
@@ -245,4 +246,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(tool_main("bench", main))

@@ -51,7 +51,7 @@ import sys
 import tempfile
 
 from lessonkit import summary
-from scripts.runs import FP16_LESSONS, LESSONS, device_and_host, launch, mib, usable_cpus
+from scripts.runs import FP16_LESSONS, LESSONS, device_and_host, launch, mib, usable_cpus, why_failed
 
 CHECKED = list(LESSONS)
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -281,14 +281,6 @@ def skipped_line(by_world, ref_reports):
         return "- fp16 loss scaling: no run skipped a step (no gradient overflowed at the scale they started with)"
     return "- fp16 loss scaling, the steps each run skipped: " + "; ".join(
         f"{', '.join(map(str, steps)) or 'none'}: {', '.join(names)}" for steps, names in groups.items())
-
-
-def why_failed(e):
-    """A failed launch in one line: the lesson's own error line, else how torchrun exited. (The
-    error holds the command's line, then the run's output, torchrun's traceback included.)"""
-    lines = str(e).splitlines()
-    said = next((line for line in lines[1:] if line.lower().startswith("error")), None)
-    return said or "exited " + lines[0].split()[-1].rstrip(":")
 
 
 def ring(ngpu, flags, device):

@@ -36,9 +36,10 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
-from scripts.runs import ROOT, at_least, available_lessons, launch, mib, usable_cpus
+from scripts.runs import ROOT, at_least, available_lessons, launch, mib, tool_main, usable_cpus
 
 # n_layer, d_model, n_head: Psi from about 1M to about 50M (exact counts printed from the model:
 # a block holds 12 d^2 + 13 d parameters; the embeddings (64 + 32) d, the final norm 2 d)
@@ -314,4 +315,4 @@ def _torch_version():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(tool_main("scaling", main))

@@ -19,7 +19,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from scripts.runs import ROOT, at_least, launch
+from scripts.runs import ROOT, at_least, launch, tool_main
 
 RUNS = [  # (label, lesson, extra flags, chart name or None)
     ("01 blocking all-reduce", "01_vanilla_dp", [], "01"),
@@ -189,4 +189,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(tool_main("timelines", main))
