@@ -91,6 +91,9 @@ def test_bad_flags_one_line_nonzero_exit():
     commands += [[sys.executable, lesson_file("08_hybrid"), "--inter-link", "1:50", "--ranks-per-node", "1",
                   "--shard-group", "2"]]
     expected += ["and 08's node is its --shard-group: give one of the two"]
+    # a tool's own: a size of 0 bytes once ended in ZeroDivisionError
+    commands += [[sys.executable, "-m", "scripts.perf.bandwidth", "--sizes", "0"]]
+    expected += ["every size must be a positive multiple of 4 x 1 bytes, got 0"]
     for (code, err), msg in zip(run_all(commands), expected):
         assert code == 2, err
         lines = [l for l in err.splitlines() if l.strip()]

@@ -196,8 +196,8 @@ def main():
     a = p.parse_args()
     env = common.init_distributed(common.parse_args(["--device", a.device]))
     sizes = a.sizes or (QUICK_SIZES if a.quick else SIZES)
-    if any(s % (4 * env.world_size) for s in sizes):
-        lifecycle.fail(f"every size must be a multiple of 4 x {env.world_size} bytes")
+    if any(s <= 0 or s % (4 * env.world_size) for s in sizes):  # (0 bytes: no time to divide by)
+        lifecycle.fail(f"every size must be a positive multiple of 4 x {env.world_size} bytes, got {' '.join(map(str, sizes))}")
     results = []
     if a.contention:
         torch.set_num_threads(1)  # one thread per rank, as the lessons run
