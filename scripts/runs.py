@@ -17,6 +17,17 @@ LESSONS = ["01_vanilla_dp", "02_async_allreduce", "03_buckets", "04_zero1", "05_
 FP16_LESSONS = list(LESSONS)
 
 
+class Parser(argparse.ArgumentParser):
+    """A tool's command line: --help prints its docstring as written, and bad input is one line,
+    `<tool>: error: ...` and exit 2, as the lessons' flags, not argparse's usage block."""
+
+    def __init__(self, prog, **kwargs):
+        super().__init__(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def at_least(low, kind=int):
     """An argparse type for a tool's counts and limits: a `kind`, at least `low` and finite (nan,
     which compares false with everything, fails too); argparse prints the one-line error."""

@@ -48,7 +48,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # 
 import hypothesis  # noqa: E402
 
 from scripts.perf import ring_collectives  # noqa: E402
-from scripts.runs import FP16_LESSONS  # noqa: E402
+from scripts.runs import FP16_LESSONS, Parser  # noqa: E402
 from lessonkit import optimizers  # noqa: E402
 from lessonkit.loss_scale import LossScaler  # noqa: E402
 from fuzz_models import global_batch, make_model, micro_batches, routing_slots  # noqa: E402
@@ -739,8 +739,7 @@ def fuzz(examples, seed, batch, lessons, shrink, log=print):
 
 
 def main(argv=None):
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser("fuzz", description=__doc__)
     parser.add_argument("--examples", type=int, default=os.environ.get("FUZZ_EXAMPLES", "300"),
                         help="cases to draw (FUZZ_EXAMPLES)")
     parser.add_argument("--seed", type=int, default=os.environ.get("FUZZ_SEED") or None, help="Hypothesis' seed (FUZZ_SEED; default: a new one)")

@@ -256,10 +256,11 @@ def test_hsdp_command_prints_each_g_and_the_choice(capsys):
     (["--link", "1:50"], "--link goes with --calibrate"),
     (["--world", "64", "--shard-group", "3", "--hsdp"], "--shard-group 3 does not tile 64 GPUs"),
 ])
-def test_bad_input_is_one_line(argv, message):
+def test_bad_input_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         at_scale.main(argv)
-    assert isinstance(e.value.code, str) and message in e.value.code and "\n" not in e.value.code
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1 and err.startswith("at_scale: error: "), err
 
 
 def test_bad_input_as_a_script_no_traceback():

@@ -1,4 +1,5 @@
 """Bad input gets one clear line from rank 0 and a non-zero exit, never a traceback or a hang."""
+import glob
 import os
 import re
 import subprocess
@@ -98,6 +99,26 @@ def test_bad_flags_one_line_nonzero_exit():
         assert code == 2, err
         lines = [l for l in err.splitlines() if l.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], err
+
+
+# every tool's command line (scripts.runs.Parser): found by its call, so a new tool is held to it too
+TOOLS = sorted(os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".") for path in
+               glob.glob(os.path.join(ROOT, "scripts", "**", "*.py"), recursive=True) + [os.path.join(ROOT, "tests", "fuzz.py")]
+               if re.search(r'\bParser\("', open(path, encoding="utf-8").read()))
+PASSED_ON = {"scripts.learn.lecture": ["--nproc", "0"], "scripts.perf.sweep": ["--worlds", "0"]}  # (the rest: the lessons')
+
+
+@pytest.mark.parametrize("module", TOOLS)
+def test_a_tools_bad_flag_is_one_line_and_exit_2(module, monkeypatch, capsys):
+    import importlib
+    main = importlib.import_module(module).main
+    monkeypatch.setattr(sys, "argv", [module, *PASSED_ON.get(module, ["--bogus"])])
+    with pytest.raises(SystemExit) as stop:
+        main()
+    err = capsys.readouterr().err
+    name = "gpu-check" if module.endswith("gpu_check") else module.split(".")[-1]
+    assert stop.value.code == 2 and err.startswith(f"{name}: error: ") and err.count("\n") == 1, err
+    assert len(TOOLS) >= 18  # (the glob found them: bench, lecture, the grader, the fuzzer, ...)
 
 
 def error_of(main, argv, monkeypatch, capsys):
@@ -212,7 +233,7 @@ def test_help_keeps_the_launch_commands_and_explains_every_flag():
 
 
 # the tools' counts and limits (scripts.runs.at_least): a zero, a negative, nan or a word is one
-# argparse line and exit 2, before anything starts (each once crashed, hung or ran with a default)
+# line and exit 2, before anything starts (each once crashed, hung or ran with a default)
 @pytest.mark.parametrize("tool, argv, msg", [
     ("scripts.learn.demo", ["--nproc", "0"], "argument --nproc: must be at least 1 (and finite), got 0"),
     ("scripts.learn.demo", ["--steps", "0"], "argument --steps: must be at least 1"),
@@ -230,4 +251,5 @@ def test_a_tools_bad_count_is_one_line(tool, argv, msg, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [tool, *argv])
     with pytest.raises(SystemExit) as e:
         importlib.import_module(tool).main()
-    assert e.value.code == 2 and msg in capsys.readouterr().err.splitlines()[-1]
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and err.count("\n") == 1, err  # (no usage block above it)

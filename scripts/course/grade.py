@@ -20,7 +20,6 @@ so. Inside a student edition there is no other copy, and no hidden test: the edi
 against its own files, visible tests only, and the table says that too. The exit code is 0 once
 the table is printed, whatever the grade; 2 if the grading itself could not run.
 """
-import argparse
 import json
 import os
 import resource
@@ -34,7 +33,7 @@ import time
 import tomllib
 
 from scripts.course import student_edition as se
-from scripts.runs import ROOT, at_least
+from scripts.runs import ROOT, Parser, at_least
 
 POINTS = os.path.join(ROOT, "tests", "points.toml")
 INSIDE_EDITION = os.path.exists(os.path.join(ROOT, se.STAMP))  # this checkout is a student edition
@@ -296,7 +295,7 @@ def failures(rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("grade", description=__doc__)
     p.add_argument("edition", nargs="?", default=ROOT, help="the edition's directory (default: this checkout)")
     p.add_argument("--points", default=POINTS, help="points and tests per lesson (default: tests/points.toml)")
     p.add_argument("--lessons", nargs="+", help="grade these lessons only, e.g. 01 03_buckets")

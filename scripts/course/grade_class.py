@@ -18,7 +18,6 @@ after N s", or why it could not be graded) and the seconds it took. grades.json:
 every failing test's first error line and the notes (a lesson regraded with the reference
 bucket.py). The exit code is 0 once both files are written, whatever the grades.
 """
-import argparse
 import concurrent.futures
 import csv
 import json
@@ -30,7 +29,7 @@ import time
 import zipfile
 
 from scripts.course import grade
-from scripts.runs import ROOT, at_least, usable_cpus
+from scripts.runs import ROOT, Parser, at_least, usable_cpus
 
 ARCHIVES = (".zip", ".tar.gz", ".tgz")
 
@@ -113,7 +112,7 @@ def write(results, lessons, out_dir):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("grade_class", description=__doc__)
     p.add_argument("folder", help="one entry per student: a directory, .zip or .tar.gz")
     p.add_argument("--out", default=".", help="where grades.csv and grades.json go (default: here)")
     p.add_argument("--points", default=grade.POINTS, help="default: tests/points.toml")

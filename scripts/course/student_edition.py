@@ -25,7 +25,6 @@ except what would show the solutions or grade them (SKIP_PATHS: the diffs betwee
 hidden tests, the kit's own tests, the answer key, the recipes). The output depends only on the
 source's files (no timestamps), so generating twice gives identical bytes.
 """
-import argparse
 import os
 import pathlib
 import re
@@ -35,7 +34,7 @@ import sys
 import textwrap
 import tomllib
 
-from scripts.runs import ROOT
+from scripts.runs import ROOT, Parser
 
 STAMP = "ASSIGNMENT.md"  # marks a directory as an edition: safe to regenerate, never a source
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ipynb_checkpoints", "runs"}
@@ -275,7 +274,7 @@ def write(files, out_dir, source):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("student_edition", description=__doc__)
     p.add_argument("out_dir", nargs="?", help="where to write the edition (e.g. student/)")
     p.add_argument("--source", default=ROOT, help="the project to strip (default: this checkout)")
     p.add_argument("--level", choices=sorted(LEVELS), default="guided",

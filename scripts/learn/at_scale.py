@@ -25,7 +25,7 @@ from scripts.learn.cost_model import (CLUSTERS, GPU, LESSONS, MODELS, OPS, STAGE
                                       collective_time, flops_per_token, gpt, llama, step)
 from scripts.learn.zero_calc import count, parse_count
 from lessonkit.theory import RING_FACTOR
-from scripts.runs import tool_main, usable_cpus
+from scripts.runs import Parser, tool_main, usable_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "runs", "at_scale")
@@ -613,11 +613,6 @@ def check_link(rows, tolerance=TOLERANCE):
 
 
 # ----------------------------------------------------------------------------- command line
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        sys.exit(f"at_scale: error: {message}")
-
-
 def positive(kind):
     def parse(text):
         try:
@@ -631,7 +626,7 @@ def positive(kind):
 
 
 def main(argv=None):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("at_scale", description=__doc__)
     p.add_argument("--check-published", action="store_true", help="model vs published numbers; exit 1 if any is off")
     p.add_argument("--calibrate", action="store_true", help="measure this machine, predict the lessons (minutes)")
     p.add_argument("--link", type=link_spec, nargs="+", metavar="GBPS:LATENCY_US",

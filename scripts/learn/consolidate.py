@@ -9,7 +9,6 @@ rounding), tied names both present (wte.weight and lm_head.weight). Then, in any
 
     model = GPT(GPTConfig(...)); model.load_state_dict(torch.load("model.pt"))
 """
-import argparse
 import os
 import re
 import sys
@@ -17,6 +16,7 @@ import sys
 import torch
 
 from lessonkit import checkpoint, reshard
+from scripts.runs import Parser
 
 
 def consolidate(path):
@@ -34,7 +34,7 @@ def consolidate(path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("consolidate", description=__doc__)
     p.add_argument("checkpoint", help="a --checkpoint-dir (its newest complete step) or one step_NNNNNN directory")
     p.add_argument("out", help="where to write the state_dict (torch.save)")
     a = p.parse_args(argv)

@@ -4,15 +4,14 @@
     .venv/bin/python -m scripts.learn.demo --precision bf16 --steps 20
     .venv/bin/python -m scripts.learn.demo --precision fp16    # every lesson in fp16, the loss scaled
 """
-import argparse
 import statistics
 import sys
 
-from scripts.runs import at_least, available_lessons, device_and_host, grid_args, launch, mib, tool_main
+from scripts.runs import Parser, at_least, available_lessons, device_and_host, grid_args, launch, mib, tool_main
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("demo", description=__doc__)
     p.add_argument("--nproc", type=at_least(1), default=2)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--steps", type=at_least(1), default=40)

@@ -6,12 +6,11 @@
 The output depends only on the lessons' text (difflib, no timestamps, "\\n" line endings), so
 regenerating unchanged lessons gives byte-identical files. tests/test_diffs.py runs the check.
 """
-import argparse
 import difflib
 import os
 import sys
 
-from scripts.runs import ROOT, available_lessons
+from scripts.runs import ROOT, Parser, available_lessons
 
 OUT_DIR = os.path.join(ROOT, "docs", "diffs")
 # Files a lesson brings in besides itself: its diff shows them whole, as new files (03's idea
@@ -68,7 +67,7 @@ def stale():
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("diffs", description=__doc__)
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if any diff is stale")
     a = p.parse_args()
     if a.check:

@@ -36,13 +36,12 @@ between them (default 10:5 and 0.5:100): 06's one ring crosses between nodes at 
 link's bytes per step (the busiest rank's: issued, on the wire, theory), the ranks that send
 between nodes, the bytes rank 0 holds at rest, and the step time.
 """
-import argparse
 import statistics
 import subprocess
 import sys
 
 from scripts.perf.sweep import NO_PREFETCH
-from scripts.runs import ROOT, at_least, available_lessons, device_and_host, launch, tool_main
+from scripts.runs import ROOT, Parser, at_least, available_lessons, device_and_host, launch, tool_main
 
 CHECK, CROSS = "\u2713", "\u2717"
 
@@ -136,7 +135,7 @@ def hybrid_table(reports, steps, nproc):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("lecture", description=__doc__)
     p.add_argument("--nproc", type=at_least(1), default=None, help="ranks (CPU, gloo; default 2, --hybrid 4)")
     p.add_argument("--steps", type=at_least(1), default=80, help="K, optimizer steps per lesson")
     p.add_argument("--hybrid", action="store_true",

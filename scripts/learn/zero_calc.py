@@ -20,7 +20,7 @@ import re
 from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
-from scripts.runs import at_least
+from scripts.runs import Parser, at_least
 
 STAGES = {0: "DP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
 # bytes per parameter: (parameters, gradients, K = optimizer state), as lessonkit/theory.STATE_BYTES
@@ -117,7 +117,7 @@ def fit_table(memory, worlds, stages, k=None, precision="fp16"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("zero_calc", description=__doc__)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=parse_count, help="parameters, Psi: 7.5B, 7.5e9, 1T")
     what.add_argument("--fit", type=parse_bytes, metavar="MEMORY", help="memory per device: 32GB, 80GiB")

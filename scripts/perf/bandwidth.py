@@ -36,7 +36,6 @@ the two at once, the all-reduce issued async just before the compute and waited 
 With a core to spare the pair takes max(compute, comm) and the compute does not slow down; with
 none it takes up to their sum and the compute slows by what the communication thread took.
 """
-import argparse
 import json
 import statistics
 import time
@@ -48,6 +47,7 @@ from scripts.perf import ring_collectives
 from lessonkit import common, lifecycle
 from lessonkit.comm_meter import bytes_written
 from lessonkit.theory import RING_FACTOR
+from scripts.runs import Parser
 
 KIB = 2 ** 10
 SIZES = [KIB * 4 ** i for i in range(9)]         # 1 KiB, 4 KiB, ..., 64 MiB
@@ -183,7 +183,7 @@ def contention(size, reps):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("bandwidth", description=__doc__)
     p.add_argument("--quick", action="store_true", help="three sizes, fewer repetitions (tests)")
     p.add_argument("--sizes", type=int, nargs="+", help="bytes (multiples of 4 x world size)")
     p.add_argument("--report", help="write the results as JSON (rank 0)")

@@ -23,7 +23,6 @@ rank's peak resident memory (everything: activations, buffers, the runtime). Eve
 Writes OUT/bench.md (the tables), OUT/bench.json (every number, every round) and OUT/bench.png
 (ratio to PyTorch, tokens/s, bytes sent, bytes held, per lesson and config).
 """
-import argparse
 import json
 import os
 import platform
@@ -32,7 +31,7 @@ import sys
 
 import torch
 
-from scripts.runs import ROOT, at_least, available_lessons, device_and_host, grid_args, launch, mib, tool_main, usable_cpus
+from scripts.runs import ROOT, Parser, at_least, available_lessons, device_and_host, grid_args, launch, mib, tool_main, usable_cpus
 
 COUNTERPART = {"01_vanilla_dp": "ddp", "02_async_allreduce": "ddp", "03_buckets": "ddp",
                "04_zero1": "zero_redundancy", "05_zero2": "fsdp2_noreshard", "06_zero3": "fsdp2",
@@ -193,12 +192,13 @@ def plot(results, path):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("bench", description=__doc__)
     p.add_argument("--rounds", type=at_least(1), default=3)
     p.add_argument("--steps", type=at_least(1), default=20)
     p.add_argument("--nproc", type=at_least(1), default=2)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    p.add_argument("--lessons", nargs="+", default=None, help="e.g. 01_vanilla_dp 03_buckets")
+    p.add_argument("--lessons", nargs="+", default=None, choices=available_lessons(), metavar="LESSON",
+                   help="e.g. 01_vanilla_dp 03_buckets")
     p.add_argument("--collectives", nargs="+", choices=["torch", "ring"], default=["torch"],
                    help="run each lesson on torch's collectives, the ring's (--collectives ring), or both")
     p.add_argument("--quick", action="store_true", help="a tiny model, 1 round of 6 steps: a smoke test")

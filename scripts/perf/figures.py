@@ -8,7 +8,6 @@ writes its figures as PNG files into docs/figures/. The executed notebooks, outp
 written back into notebooks/ so they read with their figures on GitHub. The two notebooks share
 one fresh set of runs (a cache directory that lives for this command only).
 """
-import argparse
 import os
 import sys
 import tempfile
@@ -17,7 +16,7 @@ import time
 import nbformat
 from nbclient import NotebookClient
 
-from scripts.runs import ROOT
+from scripts.runs import ROOT, Parser
 
 NOTEBOOKS = ["memory.ipynb", "comm_volume.ipynb", "at_scale.ipynb"]
 
@@ -42,7 +41,7 @@ def execute(path, env, write_back=True, timeout=1200):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("figures", description=__doc__)
     p.add_argument("--quick", action="store_true", help="world sizes 1, 2, 4; three message sizes")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "figures"), help="where the PNG files go")
     p.add_argument("--no-write-back", action="store_true", help="leave the notebooks' saved outputs alone")

@@ -42,7 +42,6 @@ reading an output or changing an input before wait(), a timing race that one GPU
 sometimes. The test suite checks that on CPU, where a stand-in for NCCL's stream semantics makes
 it deterministic. A lesson that adds a CUDA side stream must record_stream what crosses it.
 """
-import argparse
 import json
 import math
 import os
@@ -51,7 +50,7 @@ import sys
 import tempfile
 
 from lessonkit import summary
-from scripts.runs import FP16_LESSONS, LESSONS, device_and_host, launch, mib, usable_cpus, why_failed
+from scripts.runs import FP16_LESSONS, LESSONS, Parser, device_and_host, launch, mib, usable_cpus, why_failed
 
 CHECKED = list(LESSONS)
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -114,7 +113,7 @@ def compare(got, want, tol):
 
 
 def parse():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("gpu-check", description=__doc__)
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     p.add_argument("--quick", action="store_true", help="a small model and 4 steps, fp32 and one 2-byte precision")
     p.add_argument("--precision", nargs="+", choices=PRECISIONS, metavar="PRECISION",

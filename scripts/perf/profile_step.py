@@ -19,7 +19,6 @@ cProfile adds a few microseconds to every Python call, so Python-heavy code look
 than it is: compare functions with each other, not with the unprofiled step time.
 docs/profiling.md holds what these showed and what was changed.
 """
-import argparse
 import cProfile
 import importlib.util
 import io
@@ -31,7 +30,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from scripts.runs import ROOT, at_least
+from scripts.runs import ROOT, Parser, at_least
 
 WARMUP = 3
 OWN = ("0", "bucket.py", "checkpoint.py", "comm_meter.py", "common.py", "ddp.py", "lifecycle.py", "measure.py",
@@ -120,7 +119,7 @@ def _print(stats, key, count, top, keep):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("profile_step", description=__doc__)
     p.add_argument("lesson", help="e.g. 03_buckets, or torch:ddp / torch:zero_redundancy / torch:fsdp2")
     p.add_argument("--nproc", type=at_least(1), default=2, help="ranks (torchrun); 1 runs in this process")
     p.add_argument("--config", choices=["default", "many-small"], default="default",

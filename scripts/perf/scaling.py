@@ -31,7 +31,6 @@ figures in --figures: scaling_model_size.png (against Psi, at world 2) and
 scaling_world_size.png (against the world size, at the largest model). With 4 ranks on 2 cores
 every core runs two ranks: read world 4's step times as oversubscribed, its bytes as exact.
 """
-import argparse
 import json
 import os
 import platform
@@ -39,7 +38,7 @@ import statistics
 import sys
 import time
 
-from scripts.runs import ROOT, at_least, available_lessons, launch, mib, tool_main, usable_cpus
+from scripts.runs import ROOT, Parser, at_least, available_lessons, launch, mib, tool_main, usable_cpus
 
 # n_layer, d_model, n_head: Psi from about 1M to about 50M (exact counts printed from the model:
 # a block holds 12 d^2 + 13 d parameters; the embeddings (64 + 32) d, the final norm 2 d)
@@ -243,7 +242,7 @@ def write_outputs(result, out, figures):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("scaling", description=__doc__)
     p.add_argument("--sizes", nargs="+", default=None, help=f"model sizes, of {' '.join(SIZES)} (default: all)")
     p.add_argument("--worlds", type=at_least(1), nargs="+", default=list(WORLDS), help="world sizes (default: 1 2 4)")
     p.add_argument("--lessons", nargs="+", default=None, help="default: every lesson")

@@ -25,7 +25,6 @@ Running lessons back to back in one process is sound because (checked here, not 
 - each world size gets a fresh default process group over its own key prefix in the launch's
   store, so nothing of one group's rendezvous is seen by the next.
 """
-import argparse
 import gc
 import json
 import os
@@ -35,7 +34,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lessonkit import common, lifecycle
-from scripts.runs import ROOT, at_least, available_lessons, grid_args, load_lesson
+from scripts.runs import ROOT, Parser, at_least, available_lessons, grid_args, load_lesson
 
 NO_PREFETCH = "06_zero3 --prefetch 0"
 
@@ -70,7 +69,7 @@ def run_lessons(runs, flags, track_peak):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("sweep", description=__doc__)
     p.add_argument("--report", required=True, help="where rank 0 writes every report (JSON)")
     p.add_argument("--worlds", type=at_least(1), nargs="+", default=None,
                    help="world sizes to run, each at most the number of ranks launched (default: that number)")

@@ -10,7 +10,6 @@ thread spent blocked waiting for it, and the share hidden behind computation). T
 What `--trace DIR` does in any lesson's run is Trace below: measure.Run makes one only then
 (matplotlib, and the profiler, are a tool's dependencies, not a lesson's).
 """
-import argparse
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from scripts.runs import ROOT, at_least, launch, tool_main
+from scripts.runs import ROOT, Parser, at_least, launch, tool_main
 
 RUNS = [  # (label, lesson, extra flags, chart name or None)
     ("01 blocking all-reduce", "01_vanilla_dp", [], "01"),
@@ -164,7 +163,7 @@ def plot_timeline(timelines, strategy, path):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("timelines", description=__doc__)
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "figures"), help="where the charts go")
     p.add_argument("--nproc", type=at_least(1), default=2)
     a = p.parse_args()
