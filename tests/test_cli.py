@@ -118,7 +118,10 @@ def test_a_tools_bad_flag_is_one_line_and_exit_2(module, monkeypatch, capsys):
     err = capsys.readouterr().err
     name = "gpu-check" if module.endswith("gpu_check") else module.split(".")[-1]
     assert stop.value.code == 2 and err.startswith(f"{name}: error: ") and err.count("\n") == 1, err
-    assert len(TOOLS) >= 18  # (the glob found them: bench, lecture, the grader, the fuzzer, ...)
+
+
+def test_the_tools_are_found():  # (an empty TOOLS would skip the test above, not fail it)
+    assert len(TOOLS) >= 18 and {"scripts.perf.bench", "scripts.learn.lecture", "tests.fuzz"} <= set(TOOLS), TOOLS
 
 
 def error_of(main, argv, monkeypatch, capsys):

@@ -21,7 +21,7 @@ def suite(trace_dir):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):  # 02 with the default --peak-params 1: its step 1 sampled
         sampled = {"02_sampled": run_lesson("02_async_allreduce", SAMPLED)["report"],
-                   "02_last": run_lesson("02_async_allreduce", SAMPLED[:1] + ["2"] + SAMPLED[2:])["report"]}
+                   "02_last": run_lesson("02_async_allreduce", SAMPLED + ["--steps", "2"])["report"]}  # (the last --steps wins)
     return {"01": run_lesson("01_vanilla_dp", ARGV + ["--trace", trace_dir])["report"],
             "03": run_lesson("03_buckets", ARGV + ["--bucket-mb", "0.01"])["report"], **sampled,
             "printed": out.getvalue()}
