@@ -116,8 +116,8 @@ class CommMeter:
     def overlap(self):
         """comm = union of the collectives' spans within the measured step; exposed = union of
         the intervals the calling thread was blocked on them; hidden share = 1 - exposed / comm.
-        A collective still in flight when the step ends (06 prefetching the next step's first
-        unit) counts up to the step's end; its later wait() lies outside the step."""
+        A collective still in flight when the step ends (none is in these lessons: each step
+        waits its own) would count up to the step's end, its later wait() outside the step."""
         if self.window is None or not self.cpu_timed:
             return None
         start, end = self.window

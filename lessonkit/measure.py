@@ -30,7 +30,7 @@ class Run:
         self.model, self.optimizer = model, optimizer
         self.psi = common.n_params(model) if not hasattr(model, "n_params") else model.n_params
         self.ledger = MemoryLedger(model, [*holders, optimizer])
-        # what a holder counts itself (07's copies each way): read before and after the measured step
+        # what a holder counts itself (07's copies each way): read around the measured step, folded after others
         self.counted = [h for h in holders if hasattr(h, "counters")]
         self.copies = self.wire = None  # (wire: under --collectives ring, per process group)
         self.cuda = env.device.type == "cuda"
@@ -41,8 +41,8 @@ class Run:
         self.timing = (CommMeter(env.world_size, cpu_timed=True)
                        if self.comm.cpu_timed and getattr(args, "peak_params", 1) else self.comm)
         self.timed_step = None  # the step self.timing measured, once it has
-        self.cuda_step_peak = self.peak_params = self.peak_grads = self.params_timeline = self.trace = None
-        self.peak_activations = None
+        self.cuda_step_peak = self.peak_params = self.peak_grads = self.peak_activations = None
+        self.params_timeline = self.trace = None
         if getattr(args, "trace", None):  # a tool's, imported only then (it draws with matplotlib)
             from scripts.perf.timelines import Trace
             self.trace = Trace(self)
@@ -81,6 +81,8 @@ class Run:
             with self.timing.measuring() if timed else nullcontext():
                 yield micro_losses
                 self._sync()
+            for holder in self.counted:  # the GPU idle (_sync above): 07 adds its CUDA events up
+                holder.counters()
         self.step_times.append(time.perf_counter() - t0)
         # The logged loss is the global mean: every rank's, averaged (outside the meter).
         loss = torch.stack([l.detach().float() for l in micro_losses]).sum()
@@ -123,8 +125,7 @@ class Run:
         finally:
             stepper.step = original
         if track:
-            self.peak_params, self.peak_grads = probe.peak, probe.peak_grads
-            self.peak_activations = probe.peak_activations
+            self.peak_params, self.peak_grads, self.peak_activations = probe.peak, probe.peak_grads, probe.peak_activations
             self.params_timeline = {"ops": probe.ops, "samples": probe.timeline}
 
     def _log(self, step):
@@ -178,8 +179,7 @@ class Run:
             "loss_scale": self.loss_scaler and self.loss_scaler.report(),  # fp16 (loss_scale.py); else None
             "median_step_time_s": statistics.median(self.step_times),
             "tokens_per_s": self.tokens_per_step / statistics.median(self.step_times),
-            "comm": {"measured_step": self.measure_step, "per_rank": [g["ops"] for g in gathered],
-                     "ops": gathered[0]["ops"],
+            "comm": {"measured_step": self.measure_step, "per_rank": [g["ops"] for g in gathered], "ops": gathered[0]["ops"],
                      "calls": gathered[0]["calls"],  # rank 0's, in issue order: [kind, payload bytes]
                      # issued: the payloads the lesson asked for, times the ring factor (a count,
                      # not a measurement); wire: what each rank's process wrote to its sockets

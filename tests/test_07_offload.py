@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lessonkit.summary import print_summary
+from graded import load_lesson
 from harness import all_close, gpt_train, held, launches, reference, run_lesson
 from lessons import build
 from test_06_zero3 import ZERO3_BF16_LOSS_ATOL, padded, unit_params, units
@@ -41,7 +42,31 @@ def suite(world):
             "fsdp2_chunks": gpt_train("fsdp2_offload", ARGV, chunk=2),  # fully_shard([block 0, block 1])
             "toy": toy_train(build, "07", grad_accum=3, different_init=True),  # (12 rows: 4 x 3)
             "toy_clip": toy_train(build, "07", grad_clip=0.05),
-            "toy_sgd": toy_train(build, "07", steps=3, grad_accum=3, different_init=True, **SGD)}
+            "toy_sgd": toy_train(build, "07", steps=3, grad_accum=3, different_init=True, **SGD),
+            "spans_left": copy_spans_left(ARGV)}
+
+
+def copy_spans_left(argv):
+    """On CUDA, 07 times each copy with a pair of CUDA events kept in `timed` until counters()
+    adds them up; on the CPU its copies are plain. Here each copy also leaves a stand-in pair (an
+    ended span of 0 ms) in the same list: how many are left once the run is over."""
+    lesson = load_lesson("07_offload")
+    plain = lesson.ZeRO3Offload._copy
+
+    class Ended:
+        def elapsed_time(self, end):
+            return 0.0
+
+    def copy_and_time(self, direction, dst, src):
+        self.timed.append((direction, Ended(), Ended()))
+        return plain(self, direction, dst, src)
+
+    lesson.ZeRO3Offload._copy = copy_and_time
+    try:
+        run = lesson.main(argv)
+    finally:
+        lesson.ZeRO3Offload._copy = plain
+    return [len(holder.timed) for holder in run.counted]
 
 
 results = launches(suite)
@@ -103,6 +128,13 @@ def test_the_gpu_line_sets_the_device_tier_beside_the_gpu_peak():
     theory = sum(report["memory"]["theory_tiers"]["device"].values()) / 2 ** 20
     assert 0 < device < sum(mem[k] for k in ("params", "grads", "optimizer")) / 2 ** 20
     assert f"model states at rest on the device {device:.2f} (theory {theory:.2f})" in line, line
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_the_copies_timed_are_added_up_every_step_not_kept(world):
+    # Each step's copy spans are added up after it (the GPU idle): none is left after the last,
+    # where one kept for the whole run would hold two CUDA events per copy, 8 a step here.
+    assert [out["spans_left"] for out in results(world)] == [[0]] * world
 
 
 @pytest.mark.parametrize("world", [1, 4])
