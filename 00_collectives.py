@@ -28,8 +28,6 @@ gloo pick their own algorithms: rings, trees, halving-doubling; gloo's reduce-sc
 an all-reduce underneath, which the wire bytes below show).
 """
 import json
-import os
-import sys
 import time
 
 import torch
@@ -164,11 +162,9 @@ def measured(fn):
 
 
 def main(argv=None):
-    # the shared flags (--seed, --n-layer, ... for Psi, --report); no batch is trained here, so
-    # its default must not stop N = 3: a global batch of N by default, which any N divides
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = common.parse_args(["--global-batch", str(world), *(sys.argv[1:] if argv is None else argv)],
-                             description=__doc__)
+    # the shared flags it uses (--seed, --n-layer, ... for Psi, --link, --report); those of
+    # training (--steps, --global-batch, --precision, ...) are refused: nothing is trained here
+    args = common.parse_args(argv, description=__doc__)
     if args.collectives == "ring" and not args.link:  # its ring runs beside torch's, to compare
         lifecycle.fail("00 compares its own ring with torch's collectives: --collectives ring is for 01-06 "
                        "(--link slows 00's ring)")

@@ -31,7 +31,8 @@ With K micro-steps, 5b) runs at each (3 K Psi (G-1)/G and 2 K (Psi/G)(R-1)/R), a
 unless told set_requires_all_reduce.
 G defaults to the node, torchrun's LOCAL_WORLD_SIZE: on one node that is N, and 08 runs as 06;
 on 2 nodes of 8 GPUs, G = 8 without a flag.
-G = N is 06 exactly (the replicate groups hold one rank each); G = 1 is replication, DDP's
+G = N is 06 exactly (the replicate groups hold one rank each: 5b)'s calls move nothing, though
+the summary counts them); G = 1 is replication, DDP's
 all-reduce of the whole gradient (Psi/1), with the gathers and reduce-scatters over one rank
 copying.
 

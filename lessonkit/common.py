@@ -31,8 +31,7 @@ def build_parser(description=""):
     g = p.add_argument_group("data and model")
     g.add_argument("--steps", type=int, default=40, help="optimizer steps")
     g.add_argument("--seed", type=int, default=0, help="model initialisation and data")
-    g.add_argument("--global-batch", type=int, default=16,
-                   help="sequences per optimizer step, across all ranks and micro-steps")
+    g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, across all ranks and micro-steps")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (the model's context)")
     g.add_argument("--vocab-size", type=int, default=64, help="tokens in the synthetic language")
     g.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
@@ -42,12 +41,9 @@ def build_parser(description=""):
                    help="block: keep each transformer block's input only, recompute the block in backward")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--weight-decay", type=float, default=0.1,
-                   help="AdamW's decoupled weight decay, on matrices and embeddings, not on biases and norms")
-    g.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
-                   help="cosine: from --lr down to --lr/10 at the last step, after the warm-up")
-    g.add_argument("--warmup-steps", type=int, default=0, metavar="K",
-                   help="raise the learning rate linearly over the first K steps")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay, on matrices and embeddings, not on biases and norms")
+    g.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant", help="cosine: from --lr to --lr/10 at the last step, after the warm-up")
+    g.add_argument("--warmup-steps", type=int, default=0, metavar="K", help="raise the learning rate linearly over the first K steps")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     g.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 turns it off")
     g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
@@ -92,22 +88,24 @@ def build_parser(description=""):
 
 
 def parse_args(argv=None, description=""):
-    args = build_parser(description).parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    parser = build_parser(description)
+    args, world = parser.parse_args(argv), int(os.environ.get("WORLD_SIZE", "1"))
     lesson = description[7:9] if description.startswith("Lesson ") else ""  # "Lesson 07: ..."
-    # a flag this lesson would ignore while its output looked as if it ran: refused (knobs pass through)
+    # a flag this lesson would ignore while its output looked as if it ran: refused (knobs pass through).
+    # 00 trains nothing: it takes the GPT's shape (its Psi), --seed, --link and the run's own flags
     trains, a = "01 02 03 04 05 06 07 08", args
+    untrained = [(f"--{k.replace('_', '-')}", trains, v != parser.get_default(k)) for k, v in vars(a).items() if k not in (
+        "seed", "seq_len", "vocab_size", "n_layer", "d_model", "n_head", "link", "collectives", "device", "timeout",
+        "report", "bucket_mb", "prefetch", "layout", "chunk_mb", "shard_group")]
     for flag, owners, given in (("--layout", "07", a.layout != "even"), ("--chunk-mb", "07", a.chunk_mb != 0),
-                                ("--shard-group", "08", a.shard_group and not a.inter_link), ("--precision", trains, a.precision != "fp32"),
-                                ("--grad-accum", trains, a.grad_accum != 1), ("--activation-checkpointing", trains, a.activation_checkpointing != "none"),
-                                ("--checkpoint-dir", trains, a.checkpoint_dir)):
+                                ("--shard-group", "08", a.shard_group and not a.inter_link), *untrained):
         if lesson and given and lesson not in owners:
-            fail(f"{flag} is for lessons {'01-08' if owners == trains else owners} only: lesson {lesson} would ignore it")
-    for name, least in [(n, 1) for n in ("steps", "global_batch", "grad_accum", "seq_len", "vocab_size", "n_layer",
-                                         "d_model", "n_head", "log_every")] + [(n, 0) for n in ("weight_decay", "warmup_steps", "save_every", "chunk_mb")]:
+            fail(f"{flag} is for lesson{'s 01-08' if owners == trains else ' ' + owners} only: lesson {lesson} would ignore it")
+    for name, least in [(n, 1) for n in ("steps", "global_batch", "grad_accum", "seq_len", "n_layer", "d_model", "n_head",
+                                         "log_every")] + [("vocab_size", 2)] + [(n, 0) for n in ("weight_decay", "warmup_steps", "save_every", "chunk_mb")]:
         if not least <= getattr(args, name) < float("inf"):  # (--save-every 0: never; nan and inf fail too)
-            fail(f"--{name.replace('_', '-')} must be {'at least 1' if least else '0 or positive'} and finite, got {getattr(args, name)}")
-    if args.global_batch % (world * args.grad_accum):
+            fail(f"--{name.replace('_', '-')} must be {f'at least {least}' if least else '0 or positive'} and finite, got {getattr(args, name)}")
+    if lesson != "00" and args.global_batch % (world * args.grad_accum):  # (00's is not given: it trains nothing)
         fail(f"--global-batch {args.global_batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")
     if args.d_model % args.n_head:
         fail(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
@@ -140,8 +138,10 @@ def parse_args(argv=None, description=""):
             fail(str(e).replace("--link", flag, 1))  # (Link.parse names --link)
     args.collectives = args.collectives or ("ring" if args.link or args.inter_link else "torch")
     node, g = args.ranks_per_node, args.shard_group
-    if node is not None and (args.inter_link is None or g not in (None, node)):
-        fail(f"--ranks-per-node {node} needs --inter-link, and 08's node is its --shard-group: give one of the two")
+    if node is not None and g not in (None, node):
+        fail(f"--ranks-per-node {node} and --shard-group {g} disagree: 08's node is its shard group (give one of the two)")
+    if node is not None and args.inter_link is None:
+        fail(f"--ranks-per-node {node} needs --inter-link: the ranks sit on nodes for a link between them")
     if args.inter_link and node is None and g is None:
         fail("--inter-link needs nodes: --ranks-per-node G (08: its --shard-group G is the node)")
     n = args.ranks_per_node = args.shard_group = g if node is None else node  # 08 shards inside a node

@@ -20,7 +20,7 @@ def print_summary(r):
     wire = "n/a" if wire is None else f"{wire / mib:.3f} MiB"
     cfg = r["config"]
     link = "".join(f" {where}a {{:g}} Gb/s, {{:g}} us link".format(*map(float, cfg[key].split(":")))
-                   for key, where in (("link", "on "), ("inter_link", f"and between nodes of {cfg.get('ranks_per_node')} "))
+                   for key, where in (("link", "on "), ("inter_link", f"and between nodes of {cfg.get('ranks_per_node')} ranks, "))
                    if cfg.get(key))
     print(f"  bytes sent per rank (rank 0), {cfg['collectives']} collectives{link}: "
           f"issued {comm['issued_ring_bytes_per_step'] / mib:.3f} MiB (asked for x ring factor) | "
@@ -33,7 +33,9 @@ def print_summary(r):
             print("  per link, issued MiB per step, rank by rank: " + " | ".join(
                 f"{link} " + " ".join(f"{b:.3f}" for b in each) for link, each in issued.items()))
     ov = comm.get("overlap")
-    if ov is not None and ov.get("source"):
+    if r["world_size"] == 1:  # (its collectives, over a group of one, copy at most: none to hide)
+        print("  overlap: n/a at world 1 (no other rank: nothing crosses a wire)")
+    elif ov is not None and ov.get("source"):
         print(f"  overlap rank 0: NCCL kernels {ov['comm_ms']:.1f} ms | exposed {ov['exposed_ms']:.1f} ms "
               f"(no compute kernel beside them) | hidden {ov['hidden_share']:.0%}")
     elif ov is not None:
@@ -57,7 +59,8 @@ def print_summary(r):
         print("  (optimizer: AdamW makes its moments at its first step, and " + (f"fp16 skipped every step before step "
               f"{before}" if before else "step 0 measures before it") + ": a later --measure-step shows them)")
     if m.get("peak_grads") is not None:  # ZeRO-2: my slices plus the buckets in flight; 01-04 all of it
-        bound = th["peak_grads"] and f" (theory {th['peak_grads'] / mib:.2f}: at rest + buckets in flight)"
+        flight = " + buckets in flight" if (th["peak_grads"] or 0) > th["grads"] else ""  # (05's; 03's are the gradients)
+        bound = th["peak_grads"] and f" (theory {th['peak_grads'] / mib:.2f}: at rest{flight})"
         print(f"  gradients rank 0, MiB: peak during backward {m['peak_grads'] / mib:.2f}{bound or ''} | "
               f"the whole gradient {STATE_BYTES[r['precision']]['grads'] * r['n_params'] / mib:.2f}", flush=True)
     if m.get("peak_activations") is not None:  # what forward computed, alive until backward used it

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -49,7 +50,8 @@ BAD = [
     (["--shard-group", "3"], "--shard-group 3 must be at least 1 and divide world size 1"),
     (["--shard-group", "0"], "--shard-group 0 must be at least 1 and divide world size 1"),
     (["--inter-link", "1:50"], "--inter-link needs nodes: --ranks-per-node G (08: its --shard-group G is the node)"),
-    (["--ranks-per-node", "1"], "--ranks-per-node 1 needs --inter-link"),
+    (["--ranks-per-node", "1"], "--ranks-per-node 1 needs --inter-link: the ranks sit on nodes for a link between them"),
+    (["--vocab-size", "1"], "--vocab-size must be at least 2 and finite, got 1"),  # (one token: every loss 0)
     (["--loss-scale", "1000", "--precision", "fp16"], "argument --loss-scale: a power of two from 2^-126 to 2^127, such as 65536 or 1048576, got 1000"),
     (["--loss-scale", "0"], "argument --loss-scale: a power of two from 2^-126 to 2^127, such as 65536 or 1048576, got 0"),
     (["--loss-scale", "-1024"], "argument --loss-scale: a power of two"),
@@ -91,7 +93,7 @@ def test_bad_flags_one_line_nonzero_exit():
     # 08's node is its shard group: a --ranks-per-node of another size is refused
     commands += [[sys.executable, lesson_file("08_hybrid"), "--inter-link", "1:50", "--ranks-per-node", "1",
                   "--shard-group", "2"]]
-    expected += ["and 08's node is its --shard-group: give one of the two"]
+    expected += ["--ranks-per-node 1 and --shard-group 2 disagree: 08's node is its shard group (give one of the two)"]
     # a tool's own: a size of 0 bytes once ended in ZeroDivisionError
     commands += [[sys.executable, "-m", "scripts.perf.bandwidth", "--sizes", "0"]]
     expected += ["every size must be a positive multiple of 4 x 1 bytes, got 0"]
@@ -162,13 +164,19 @@ def test_every_lesson_parses_the_shared_flags(name, monkeypatch, capsys):
 
 # a lesson's own flag given to another lesson, which would ignore it (and 00 trains nothing)
 @pytest.mark.parametrize("name, flags, msg", [
-    ("06_zero3", ["--layout", "uneven"], "--layout is for lessons 07 only: lesson 06 would ignore it"),
-    ("06_zero3", ["--chunk-mb", "2"], "--chunk-mb is for lessons 07 only: lesson 06 would ignore it"),
-    ("07_offload", ["--shard-group", "1"], "--shard-group is for lessons 08 only: lesson 07 would ignore it"),
+    ("06_zero3", ["--layout", "uneven"], "--layout is for lesson 07 only: lesson 06 would ignore it"),
+    ("06_zero3", ["--chunk-mb", "2"], "--chunk-mb is for lesson 07 only: lesson 06 would ignore it"),
+    ("07_offload", ["--shard-group", "1"], "--shard-group is for lesson 08 only: lesson 07 would ignore it"),
     ("00_collectives", ["--precision", "bf16"], "--precision is for lessons 01-08 only: lesson 00 would ignore it"),
     ("00_collectives", ["--grad-accum", "2"], "--grad-accum is for lessons 01-08 only"),
     ("00_collectives", ["--activation-checkpointing", "block"], "--activation-checkpointing is for lessons 01-08 only"),
     ("00_collectives", ["--checkpoint-dir", "ckpt"], "--checkpoint-dir is for lessons 01-08 only"),
+    # (once run as if given: 00 takes the GPT's shape, --seed, --link and the run's own flags only)
+    ("00_collectives", ["--steps", "5"], "--steps is for lessons 01-08 only: lesson 00 would ignore it"),
+    ("00_collectives", ["--lr", "1"], "--lr is for lessons 01-08 only"),
+    ("00_collectives", ["--global-batch", "3"], "--global-batch is for lessons 01-08 only"),
+    ("00_collectives", ["--trace", os.path.join(tempfile.gettempdir(), "refused")], "--trace is for lessons 01-08 only"),
+    ("00_collectives", ["--inter-link", "1:50", "--ranks-per-node", "1"], "--inter-link is for lessons 01-08 only"),
 ])
 def test_a_flag_the_lesson_would_ignore_is_refused(name, flags, msg, monkeypatch, capsys):
     from scripts.runs import load_lesson
@@ -180,7 +188,9 @@ def test_each_lesson_takes_its_own_flags():
     # (and the tuning knobs, --bucket-mb and --prefetch, anywhere: a sweep passes one set of flags to all)
     for lesson, flags in (("03", ["--bucket-mb", "1"]), ("08", ["--prefetch", "0", "--shard-group", "1"]),
                           ("07", ["--layout", "uneven", "--prefetch", "0", "--chunk-mb", "2"]), ("01", ["--precision", "bf16"]),
-                          ("04", ["--bucket-mb", "1", "--prefetch", "0"])):
+                          ("04", ["--bucket-mb", "1", "--prefetch", "0"]),
+                          ("00", ["--seed", "3", "--n-layer", "1", "--d-model", "8", "--n-head", "2", "--seq-len", "4",
+                                  "--vocab-size", "5", "--link", "1:50", "--timeout", "9", "--device", "cpu", "--bucket-mb", "1"])):
         common.parse_args(flags, description=f"Lesson {lesson}: x")
 
 

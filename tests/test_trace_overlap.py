@@ -1,14 +1,17 @@
 """--trace and the overlap line: observed from outside the lessons (comm_meter.py), so checked here
 on real runs of 01 (blocking all-reduces) and 03 (small buckets, async)."""
 import contextlib
+import copy
 import functools
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 
 from harness import run_lesson, spawn
+from lessonkit.summary import print_summary
 
 ARGV = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
         "--global-batch", "8", "--log-every", "100", "--peak-params", "0"]
@@ -22,9 +25,11 @@ def suite(trace_dir):
     with contextlib.redirect_stdout(out):  # 02 with the default --peak-params 1: its step 1 sampled
         sampled = {"02_sampled": run_lesson("02_async_allreduce", SAMPLED)["report"],
                    "02_last": run_lesson("02_async_allreduce", SAMPLED + ["--steps", "2"])["report"]}  # (the last --steps wins)
-    return {"01": run_lesson("01_vanilla_dp", ARGV + ["--trace", trace_dir])["report"],
-            "03": run_lesson("03_buckets", ARGV + ["--bucket-mb", "0.01"])["report"], **sampled,
-            "printed": out.getvalue()}
+    traced = io.StringIO()
+    with contextlib.redirect_stdout(traced):
+        sampled["01"] = run_lesson("01_vanilla_dp", ARGV + ["--trace", trace_dir])["report"]
+    return {"03": run_lesson("03_buckets", ARGV + ["--bucket-mb", "0.01"])["report"], **sampled,
+            "printed": out.getvalue(), "printed_traced": traced.getvalue()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,6 +44,9 @@ def test_trace_files_per_rank_and_timeline():
         with open(os.path.join(trace_dir, f"trace_rank{rank}.json")) as f:
             assert json.load(f)["traceEvents"]
     assert os.path.getsize(os.path.join(trace_dir, "timeline.png")) > 0
+    # and rank 0 says where they went (it once wrote them without a word)
+    assert (f"--trace: wrote {trace_dir}/timeline.png and {trace_dir}/trace_rank{{0..1}}.json (they open in "
+            "https://ui.perfetto.dev)") in results()[1]["printed_traced"]
 
 
 def without_matplotlib(trace_dir):
@@ -53,8 +61,23 @@ def without_matplotlib(trace_dir):
 def test_without_matplotlib_the_traces_are_written_and_the_timeline_skipped_in_one_line():
     trace_dir = tempfile.mkdtemp(prefix="trace_")
     printed = spawn(1, without_matplotlib, trace_dir)[0]
-    assert f"--trace: {trace_dir}/timeline.png not drawn: matplotlib is not installed" in printed
+    assert f"--trace: {trace_dir}/timeline.png not drawn: matplotlib is not installed (wrote {trace_dir}/trace_rank{{0..0}}" in printed
     assert os.listdir(trace_dir) == ["trace_rank0.json"]
+    # one rank, nothing sent: no share of it to call hidden (once "hidden 100%", --peak-params 0 timing the step)
+    assert "  overlap: n/a at world 1 (no other rank: nothing crosses a wire)" in printed.splitlines()
+
+
+def test_the_summary_names_the_links_and_what_bounds_the_gradients():
+    # (its lines once read "between nodes of 2 a 1 Gb/s link", and 01-03's bound "at rest + buckets in
+    # flight", which only 05 has)
+    r, printed = copy.deepcopy(results()[1]["02_sampled"]), results()[1]["printed"]
+    assert re.search(r"peak during backward [0-9.]+ \(theory [0-9.]+: at rest\) \|", printed), printed
+    r["config"].update(collectives="ring", link="10:5", inter_link="0.5:100", ranks_per_node=2)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_summary(r)
+    assert ("bytes sent per rank (rank 0), ring collectives on a 10 Gb/s, 5 us link and between nodes of 2 ranks, "
+            "a 0.5 Gb/s, 100 us link: issued") in out.getvalue()
 
 
 def test_blocking_all_reduce_hides_nothing():

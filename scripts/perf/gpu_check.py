@@ -288,7 +288,7 @@ def ring(ngpu, flags, device):
     sends and receives count: an isend then a blocking recv deadlocks at 2 ranks, which NCCL's
     watchdog turns into a failed run at --timeout. Returns (name, None or why it failed)."""
     name = f"00_collectives at world {ngpu}, ring against torch and bytes against theory"
-    try:  # (the flags' --global-batch, which 00 does not train, is a multiple of ngpu)
+    try:  # the model's shape (its Psi) only: 00 trains nothing, and refuses the flags of training
         per_rank = launch("00_collectives", ngpu, ["--device", device, *flags])["comm"]["per_rank"]
     except RuntimeError as e:
         return name, f"the run failed: {why_failed(e)}"
@@ -448,7 +448,7 @@ def check(a):
     write(a.out, out)
     checks = []  # (name, None when it passed or why it failed, what was measured)
     if ngpu >= 2:
-        checks.append((*ring(ngpu, flags, a.device), "ring == torch, its sends == theory, on every rank"))
+        checks.append((*ring(ngpu, model[:batch - 1] + model[batch + 1:], a.device), "ring == torch, its sends == theory, on every rank"))
     else:
         print("  00_collectives: skipped, 1 GPU (its ring sends between ranks: 2 or more GPUs run it)")
     with tempfile.TemporaryDirectory() as tmp:

@@ -72,15 +72,19 @@ class Trace:
         return timeline(self.run.comm, self.phases)
 
     def plot(self, timelines, strategy):
+        """Rank 0, at the run's end: the timeline drawn, and one line saying where it all went."""
         path = f"{self.run.args.trace}/timeline.png"
+        traces = f"{self.run.args.trace}/trace_rank{{0..{len(timelines) - 1}}}.json (they open in https://ui.perfetto.dev)"
         if None in timelines:  # NCCL: no rank's step on the CPU clock
+            print(f"--trace: wrote {traces}")
             return
         try:
             import matplotlib  # noqa: F401  (the .venv has it; a lesson needs torch only)
         except ImportError:
-            print(f"--trace: {path} not drawn: matplotlib is not installed (the traces are written)")
+            print(f"--trace: {path} not drawn: matplotlib is not installed (wrote {traces})")
             return
         plot_timeline(timelines, strategy, path)
+        print(f"--trace: wrote {path} and {traces}")
 
 
 def gpu_overlap(trace_path):
