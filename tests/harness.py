@@ -319,6 +319,7 @@ def bf16_close(a, b):
     """bf16 parity of a replicated lesson (02, 03) with the bf16 reference, element by element
     (tolerances.BF16_*)."""
     torch.testing.assert_close(a["losses"], b["losses"], **BF16_LOSS_TOL)
+    assert a["params"].keys() == b["params"].keys()
     for name, p in a["params"].items():
         torch.testing.assert_close(p, b["params"][name], **BF16_PARAM_TOL, msg=name)
 

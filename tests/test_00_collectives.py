@@ -7,6 +7,8 @@ import pytest
 import harness
 from graded import load_lesson
 from harness import spawn
+from lessonkit import common
+from model import GPT
 
 # A small GPT's Psi (the collectives move Psi fp32 elements): quick, and no world size divides it
 ARGV = ["--n-layer", "1", "--d-model", "33", "--n-head", "3", "--vocab-size", "65", "--device", "cpu"]
@@ -25,18 +27,41 @@ def results(world):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ring_collectives_equal_torch_exactly(world):
     # integer-valued fp32 data: every sum is exact in any order, so equality is the test
+    # (main() compares with torch on the page; test_ring_collectives_equal_the_sums_made_here, below, in the test)
     for rank, out in enumerate(results(world)):
         for kind in ("reduce_scatter", "all_gather", "all_reduce"):
             assert out[kind]["equal_to_torch"], (rank, kind)
 
 
+def ring_against_sums(chunk):
+    """In a spawned rank: 00's Ring on integer-valued data that every rank makes for every rank,
+    against the sums and slices made here (no collective on this side)."""
+    import torch
+    import torch.distributed as dist
+    n, r = dist.get_world_size(), dist.get_rank()
+    data = [torch.randint(-8, 8, (n * chunk,), generator=torch.Generator().manual_seed(100 + k)).float() for k in range(n)]
+    total, mine = torch.stack(data).sum(0), slice(r * chunk, (r + 1) * chunk)
+    ring = load_lesson("00_collectives").Ring()
+    return {"reduce_scatter": torch.equal(ring.reduce_scatter(data[r].clone()), total[mine]),
+            "all_gather": torch.equal(ring.all_gather(data[r][mine].clone()),
+                                      torch.cat([d[k * chunk:(k + 1) * chunk] for k, d in enumerate(data)])),
+            "all_reduce": torch.equal(ring.all_reduce(data[r].clone()), total)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_collectives_equal_the_sums_made_here(world):
+    for rank, out in enumerate(spawn(world, ring_against_sums, 37)):
+        assert out == dict.fromkeys(("reduce_scatter", "all_gather", "all_reduce"), True), rank
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_each_rank_sends_psi_n_minus_1_over_n_per_pass(world):
+    psi = common.n_params(GPT(common.model_config(common.parse_args(ARGV))))  # counted here
+    numel = -(-psi // world) * world  # padded to a multiple of N
     for out in results(world):
         rs, ag, ar = out["reduce_scatter"], out["all_gather"], out["all_reduce"]
         # counted at our own sends: exactly (N-1) chunks of numel/N fp32 elements per pass
-        numel = rs["ring_bytes"] * world // ((world - 1) * 4)
-        assert numel % world == 0 and rs["sent_bytes"] == ag["sent_bytes"] == (world - 1) * numel // world * 4
+        assert rs["sent_bytes"] == ag["sent_bytes"] == rs["ring_bytes"] == (world - 1) * numel // world * 4
         assert ar["sent_bytes"] == 2 * rs["sent_bytes"] == ar["ring_bytes"]
         # what the process wrote to the wire (gloo over TCP): the same, plus gloo's headers,
         # a few hundred bytes per message (measured: under 0.1 %); 1 % + 4 KiB is generous
@@ -53,7 +78,8 @@ def test_report_has_the_lessons_fields_and_every_ranks_counts(tmp_path):
     gathered = spawn(2, run, ARGV + ["--report", str(path)])[0]
     report = json.loads(path.read_text())
     assert (report["strategy"], report["world_size"], report["backend"]) == ("collectives", 2, "gloo")
-    assert report["config"]["n_layer"] == 1 and report["n_params"] <= report["numel"]
+    psi = common.n_params(GPT(common.model_config(common.parse_args(ARGV))))
+    assert report["config"]["n_layer"] == 1 and (report["n_params"], report["numel"]) == (psi, psi + psi % 2)
     assert report["comm"]["per_rank"] == gathered
 
 

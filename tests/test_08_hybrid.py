@@ -88,6 +88,7 @@ def test_fp16_on_the_2x2_grid_skips_the_same_steps_and_trains_as_one_process():
     for rank, rank_out in enumerate(results(4)):
         got = rank_out["fp16"]
         torch.testing.assert_close(got["losses"], want["losses"], **FP16_LOSS_TOL, msg=f"rank {rank}")
+        assert got["params"].keys() == want["params"].keys()
         for name, p in got["params"].items():
             torch.testing.assert_close(p, want["params"][name], **FP16_PARAM_TOL, msg=f"rank {rank} {name}")
     assert results(4)[0]["fp16"]["report"]["loss_scale"] == want["loss_scale"]  # the scale, the skips

@@ -17,7 +17,6 @@ import torch.nn as nn
 from graded import ROOT
 from harness import held, memory_theory, run_lesson, spawn
 from lessons import build
-from tolerances import GRAD_TOL
 
 CONVENTION = "In bf16, micro-steps' gradients add up in fp32, never in bf16"
 FILES = {"01": "01_vanilla_dp", "02": "02_async_allreduce", "03": "03_buckets", "04": "04_zero1",
@@ -193,9 +192,9 @@ def test_one_rank_hands_the_optimizer_the_fp32_sum_of_its_shard(results, lesson)
 def test_two_ranks_match_a_process_that_accumulates_the_same_way(results, lesson):
     # The probe's micro-step gradients, per rank and averaged over both, are exact in bf16 and
     # their fp32 sums are bf16 values: the ranks' rounding, sums and divisions by 2 lose
-    # nothing, so this is bit for bit in fact; GRAD_TOL is fp32 round-off's bound. bf16
-    # accumulation is an ulp (2^-8 relative and more) away on every element.
-    covered = [check(recorded[lesson], exact=lesson in ("05", "06"), tol=GRAD_TOL) for recorded in results[2]]
+    # nothing, so this is bit for bit (bf16 accumulation is an ulp, 2^-8 relative and more, away
+    # on every element).
+    covered = [check(recorded[lesson], exact=lesson in ("05", "06")) for recorded in results[2]]
     for ranks in [covered[:1], covered[1:]] if lesson in ("01", "02", "03") else [covered]:
         whole(ranks)
 

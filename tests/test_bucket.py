@@ -145,7 +145,7 @@ def test_grads_are_views_of_the_bucket_and_autograd_accumulates_into_it():
     lin = nn.Linear(3, 2)
     m = BucketManager(lin.parameters(), 25, Recorder().launch)
     buffer = m.buckets[0].buffer
-    x = torch.randn(4, 3)
+    x = torch.randint(-4, 5, (4, 3)).float()  # integers: every sum below exact, in any order
     lin(x).sum().backward()
     for p in lin.parameters():
         m.ready(p)  # the first gradient is copied in, and p.grad becomes its view
@@ -154,8 +154,7 @@ def test_grads_are_views_of_the_bucket_and_autograd_accumulates_into_it():
     assert lin.weight.grad is weight_grad and lin.bias.grad is bias_grad
     assert lin.weight.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
     # the layout: bias first (registered last), then the weight, back to back
-    torch.testing.assert_close(buffer, torch.cat([2 * torch.ones(2) * 4, 2 * x.sum(0).repeat(2)]),
-                               rtol=0, atol=1e-6)  # float sums of 4 values: round-off only
+    assert torch.equal(buffer, torch.cat([2 * torch.ones(2) * 4, 2 * x.sum(0).repeat(2)]))
 
 
 def test_a_fresh_grad_is_copied_into_its_bucket_and_pointed_back_at_it():

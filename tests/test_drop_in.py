@@ -285,8 +285,12 @@ def fully_sharded(world):
 # two runs compute with different weights; Adam spreads that (measured at 4 ranks: 8.3e-4 of a
 # parameter's norm), SGD does not (1.2e-7). Hence 5e-3 for Adam in bf16, still far below what a
 # stale, missing or misplaced shard does (the order of the weights themselves). The key bias:
-# as above (its exact gradient is 0). At 2 ranks every run here agrees to <= 1.3e-7.
-def fsdp2_rtol(precision, opt_name):
+# as above (its exact gradient is 0). At 2 ranks, where the file runs now, every run here agrees
+# to <= 7.5e-8 of a parameter's norm (torch 2.13; no bf16 rounding flipped): held to 1e-6 there,
+# which a flipped rounding (8.3e-4) or anything worse fails.
+def fsdp2_rtol(precision, opt_name, world):
+    if world == 2:
+        return 1e-6
     return 5e-3 if precision == "bf16" and opt_name.startswith("adam") else 1e-5
 
 
@@ -299,7 +303,7 @@ def test_fsdp2_loop_runs_06_and_07_with_one_line_changed(world, precision, ours,
     for rank_out in fully_sharded(world):
         for opt_name in OPTIMIZERS:
             got, want = rank_out[ours, precision, opt_name], rank_out[theirs, precision, opt_name]
-            rtol = fsdp2_rtol(precision, opt_name)
+            rtol = fsdp2_rtol(precision, opt_name, world)
             assert len(got) == len(want) == STEPS
             for step, (g, w) in enumerate(zip(got, want)):
                 g, w = key_bias_apart(g), key_bias_apart(w)

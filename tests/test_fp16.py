@@ -288,6 +288,7 @@ def test_fp16_matches_single_process_with_the_same_scaler():
             for key in keys:
                 got = rank_out[key]
                 torch.testing.assert_close(got["losses"], want["losses"], **FP16_LOSS_TOL, msg=f"rank {rank} {key}")
+                assert got["params"].keys() == want["params"].keys(), key
                 for name, p in got["params"].items():
                     torch.testing.assert_close(p, want["params"][name], **FP16_PARAM_TOL, msg=f"rank {rank} {key} {name}")
 
@@ -331,8 +332,10 @@ def test_an_inf_on_one_rank_skips_that_step_on_every_rank():
         for rank_out in ranks:
             before, after = rank_out["before"], rank_out["after"]
             for what in ("params", "masters"):  # the skipped step changed nothing, on every rank
+                assert len(before[what]) == len(after[what]) > 0, (lesson, what)
                 for b, a in zip(before[what], after[what]):
                     assert torch.equal(b, a), (lesson, what)
+            assert len(before["adamw"]) == len(after["adamw"]) > 0, lesson
             for b, a in zip(before["adamw"], after["adamw"]):  # AdamW's moments and step count
                 assert b.keys() == a.keys() and all(torch.equal(b[k], a[k]) for k in b), lesson
             assert rank_out["skipped_steps"] == [INF_AT], lesson  # every rank's scaler skipped it
