@@ -54,18 +54,6 @@ def bucket_numels(argv, world):
     return [[p.numel() for p in b.params] for b in buckets(argv, world)]
 
 
-def test_the_bucket_layouts_are_those_the_comments_state():
-    # The tests below take their expected calls and bytes from this layout (bucket.py's): held
-    # here to the counts stated above, so a cap ignored, or a first bucket left uncapped, fails
-    # here rather than moving both sides of those tests. Each bucket pads to a multiple of N.
-    for world in (2, 4):
-        counts = [layout(argv, world)[1] for argv in (ARGV, BF16, DEEP, DEFAULT, DEFAULT_MANY)]
-        assert counts == [7, 4, 50, 2, 22], world
-        for argv, psi in ((ARGV, PSI), (DEFAULT, 809_728)):
-            padded, n = layout(argv, world)
-            assert padded % world == 0 and psi <= padded < psi + n * world
-
-
 def gradient_bound(argv, world):
     """The most gradient bytes 05 can hold during backward, from its layout: my slice of every
     bucket (kept, or arriving from its reduce-scatter; with micro-steps also the fp32 slices kept

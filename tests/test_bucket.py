@@ -258,3 +258,17 @@ def test_max_in_flight_completes_the_oldest_before_launching_more():
                        ("wait", 1), ("done", 1), ("launch", 2)]
     m.finish()
     assert rec.log[-2:] == [("wait", 2), ("done", 2)]
+
+
+def test_05s_bucket_layouts_are_those_its_comments_state():
+    # test_05_zero2 takes its expected calls and bytes from this layout (bucket.py's): held here to
+    # the counts its comments state, so a cap ignored, or a first bucket left uncapped, fails here
+    # rather than moving both sides of those tests. Each bucket pads to a multiple of N. (Here, not
+    # in test_05_zero2: the layout is not the student's region, and an untouched edition passes it.)
+    from test_05_zero2 import ARGV, BF16, DEEP, DEFAULT, DEFAULT_MANY, PSI, layout
+    for world in (2, 4):
+        counts = [layout(argv, world)[1] for argv in (ARGV, BF16, DEEP, DEFAULT, DEFAULT_MANY)]
+        assert counts == [7, 4, 50, 2, 22], world
+        for argv, psi in ((ARGV, PSI), (DEFAULT, 809_728)):
+            padded, n = layout(argv, world)
+            assert padded % world == 0 and psi <= padded < psi + n * world
