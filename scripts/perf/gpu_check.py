@@ -448,7 +448,8 @@ def check(a):
     write(a.out, out)
     checks = []  # (name, None when it passed or why it failed, what was measured)
     if ngpu >= 2:
-        checks.append((*ring(ngpu, model[:batch - 1] + model[batch + 1:], a.device), "ring == torch, its sends == theory, on every rank"))
+        shape = model[:batch - 1] + model[batch + 1:]  # the model's flags but --global-batch: 00 trains nothing
+        checks.append((*ring(ngpu, shape, a.device), "ring == torch, its sends == theory, on every rank"))
     else:
         print("  00_collectives: skipped, 1 GPU (its ring sends between ranks: 2 or more GPUs run it)")
     with tempfile.TemporaryDirectory() as tmp:
