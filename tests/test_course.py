@@ -2,9 +2,10 @@
 grading a folder of submissions into grades.csv / grades.json, robust to the ones that hang,
 crash or edit their tests. (Fences and the adapter: tests/test_assignments.py.)
 
-Costly parts run once each, as subprocesses, and side by side: the solutions and an untouched
-edition graded in full (every lesson, hidden tests included), and a class of four graded on
-lesson 01 only with limits of a few seconds.
+Costly parts run once each, as subprocesses, and side by side: an untouched edition graded in
+full (every lesson, hidden tests included), the solutions on the hidden tests (this suite runs
+every visible test on the same files), and a class of four graded on lesson 01 only with limits
+of a few seconds.
 """
 import ast
 import csv
@@ -32,8 +33,8 @@ GRADED = [f[:-3] for f in grade.graded_files()]
 # first, which starts the forkserver) once it had 08 (2 cores, every process importing torch);
 # the submission that hangs reaches its launches of ranks in turn, so it meets the per-test limit
 # and then the run's. The good submission takes 13-16 s in all, but once over 45 s (the run's
-# limit then) in a suite run; at 55 s the class, one submission at a time (about 100 s, the
-# hanging one's 55 included), still ends with the full grading beside it (100-110 s).
+# limit then) in a suite run. The class runs two at a time, the hanging one ("blocks": graded
+# first, as names sort) beside the other three in turn, so it ends about when that one's 55 s do.
 TEST_LIMIT, RUN_LIMIT = 45, 55
 
 
@@ -58,6 +59,17 @@ def _points_skipping(folder, worlds):
         text, n = re.subn(r"(?m)^skip_worlds = \[.*\]", f"skip_worlds = {worlds}", f.read())
     assert n == 1, "points.toml: one skip_worlds line"
     path = folder / "points.toml"
+    path.write_text(text)
+    return path
+
+
+def _points_hidden(folder):
+    """tests/points.toml's lessons with their hidden group only, each worth its hidden weight."""
+    lessons = grade.load_points(grade.POINTS)[1]
+    text = "".join(f'[lessons.{name}]\npoints = {spec["hidden"]["weight"]}\n'
+                   f'hidden = {{weight = 1, tests = {json.dumps(spec["hidden"]["tests"])}}}\n'
+                   for name, spec in lessons.items())
+    path = folder / "hidden.toml"
     path.write_text(text)
     return path
 
@@ -171,24 +183,24 @@ def test_standard_instructions_name_no_call_of_the_solutions():
 # ----------------------------------------------------------------------------- grading
 @pytest.fixture(scope="module")
 def graded_runs(editions, tmp_path_factory):
-    """Both costly gradings at once: the solutions and an untouched edition (every lesson,
-    hidden tests included), and a class of four on lesson 01 with limits of seconds."""
-    full = tmp_path_factory.mktemp("full")
-    (full / "solutions").mkdir()
+    """The costly gradings at once: an untouched edition (every lesson, hidden tests included),
+    the solutions on the hidden tests, and a class of four on lesson 01 with limits of seconds."""
+    full, solved = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("solved")
+    (solved / "solutions").mkdir()
     for name in GRADED:
-        shutil.copy(os.path.join(ROOT, f"{name}.py"), full / "solutions")
+        shutil.copy(os.path.join(ROOT, f"{name}.py"), solved / "solutions")
     with zipfile.ZipFile(full / "untouched.zip", "w") as z:  # an archive, one folder down
         for name in GRADED:
             z.write(os.path.join(editions["guided"], f"{name}.py"), f"student/{name}.py")
     klass = tmp_path_factory.mktemp("class")
-    for student in ("good", "hangs", "crashes", "edits_tests"):
+    for student in ("good", "blocks", "crashes", "edits_tests"):
         shutil.copytree(editions["guided"], klass / student, ignore=shutil.ignore_patterns("notebooks", "docs"))
     shutil.copy(os.path.join(ROOT, "01_vanilla_dp.py"), klass / "good")
     region = re.compile(r'raise NotImplementedError\("01_vanilla_dp\.py: average the gradients[^\n]*')
-    # it hangs and prints without end (slowly: a busy loop would take a core from the gradings beside it)
-    hangs = klass / "hangs" / "01_vanilla_dp.py"
-    hangs.write_text(region.sub("while True:\n            print('x' * 200, flush=True)\n"
-                                "            __import__('time').sleep(0.001)", hangs.read_text()))
+    # it blocks and prints without end (slowly: a busy loop would take a core from the gradings beside it)
+    blocks = klass / "blocks" / "01_vanilla_dp.py"
+    blocks.write_text(region.sub("while True:\n            print('x' * 200, flush=True)\n"
+                                 "            __import__('time').sleep(0.001)", blocks.read_text()))
     crashes = klass / "crashes" / "01_vanilla_dp.py"
     crashes.write_text(crashes.read_text().replace("import torch\n", "import torch\nraise SystemExit('boom')\n", 1))
     for test in ("test_01_vanilla.py", "points.toml"):  # its region untouched, its tests made to pass
@@ -217,43 +229,54 @@ def graded_runs(editions, tmp_path_factory):
              # in a busy loop, a core's worth, and now sleeps). The limits are the class's test, below.
              "full": _grade_class(full, full / "out", "--points", str(_points_skipping(full, [2, 4])),
                                   "--test-timeout", "300"),
-             "class": _grade_class(klass, klass / "out", "--lessons", "01", "--jobs", "1",
+             # the solutions' visible tests are this suite's own: what is theirs here is the
+             # grader's sandbox with every region filled in, and full marks on the hidden tests
+             "solved": _grade_class(solved, solved / "out", "--points", str(_points_hidden(solved)),
+                                    "--test-timeout", "300"),
+             # two at a time: the hanging submission waits out its limit beside the other three
+             "class": _grade_class(klass, klass / "out", "--lessons", "01", "--jobs", "2",
                                    "--test-timeout", str(TEST_LIMIT), "--timeout", str(RUN_LIMIT))}
     outputs = {k: p.communicate(timeout=600)[0] for k, p in procs.items()}  # (a test's limit fires first)
     for k, p in procs.items():
         assert p.returncode == 0, outputs[k]
-    return {"full": (_read(full / "out"), outputs["full"]), "class": (_read(klass / "out"), outputs["class"]),
-            "regrade": outputs["regrade"]}
+    return {"full": (_read(full / "out"), outputs["full"]), "solved": (_read(solved / "out"), outputs["solved"]),
+            "class": (_read(klass / "out"), outputs["class"]), "regrade": outputs["regrade"]}
 
 
-def test_the_solutions_grade_full_marks_and_an_untouched_edition_zero(graded_runs):
+def test_an_untouched_edition_scores_zero_failing_every_graded_test_at_its_region(graded_runs):
     (rows, report), output = graded_runs["full"]
     assert list(next(iter(rows.values()))) == ["student", *LESSON_NAMES, "total", "max", "status", "seconds"]
-    solutions, untouched = rows["solutions"], rows["untouched"]
-    points = report["points"]
+    untouched = rows["untouched"]
     for lesson in LESSON_NAMES:
-        assert float(solutions[lesson]) == points[lesson], (lesson, output)
         assert float(untouched[lesson]) == 0, (lesson, output)
         mine = report["students"]["untouched"]["lessons"][lesson]
         assert mine["total"] > 0 and mine["passed"] == 0  # its graded tests ran, and every one failed
+        assert set(mine["groups"]) == {"visible", "hidden"}, (lesson, mine["groups"])
         other = {test: why for test, why in mine["failing"].items() if not why.startswith("NotImplementedError: ")}
         assert not other, f"{lesson}: failed for another reason than its region: {json.dumps(other, indent=1)}"
-    assert solutions["total"] == solutions["max"] == f"{sum(points.values()):g}"
-    assert solutions["status"] == untouched["status"] == "ok"
-    assert "tests/hidden/" in json.dumps(report["students"]["untouched"])  # the hidden tests ran too
+    assert untouched["status"] == "ok" and untouched["max"] == f"{sum(report['points'].values()):g}"
+
+
+def test_the_solutions_score_full_marks_on_the_hidden_tests(graded_runs):
+    (rows, report), output = graded_runs["solved"]
+    solutions = rows["solutions"]
+    for lesson in LESSON_NAMES:
+        assert float(solutions[lesson]) == report["points"][lesson] > 0, (lesson, output)
+        assert report["students"]["solutions"]["lessons"][lesson]["groups"]["hidden"][1] > 0, (lesson, output)
+    assert solutions["total"] == solutions["max"] and solutions["status"] == "ok", output
 
 
 def test_a_class_with_a_hang_a_crash_and_edited_tests_each_costs_its_own_row(graded_runs):
     (rows, report), output = graded_runs["class"]
-    assert set(rows) == {"good", "hangs", "crashes", "edits_tests"}, output
+    assert set(rows) == {"good", "blocks", "crashes", "edits_tests"}, output
     assert float(rows["good"]["01_vanilla_dp"]) == report["points"]["01_vanilla_dp"] == 10, output
-    for student in ("hangs", "crashes", "edits_tests"):
+    for student in ("blocks", "crashes", "edits_tests"):
         assert float(rows[student]["01_vanilla_dp"]) == 0, (student, output)
         assert float(rows[student]["seconds"]) < RUN_LIMIT + 15, (student, output)  # its limit, and a margin
-    assert rows["hangs"]["status"] == f"timed out after {RUN_LIMIT} s", output
+    assert rows["blocks"]["status"] == f"timed out after {RUN_LIMIT} s", output
     assert rows["good"]["status"] == rows["crashes"]["status"] == rows["edits_tests"]["status"] == "ok"
     reasons = {s: set(report["students"][s]["lessons"]["01_vanilla_dp"]["failing"].values()) for s in rows}
-    assert any("GradeTimeout" in r for r in reasons["hangs"]), reasons["hangs"]
+    assert any("GradeTimeout" in r for r in reasons["blocks"]), reasons["blocks"]
     # the crash is named; a rank still connecting when its peer died may report the lost peer instead
     assert any("boom" in r for r in reasons["crashes"]), reasons["crashes"]
     assert not any("NotImplementedError" in r for r in reasons["crashes"]), reasons["crashes"]
@@ -280,6 +303,30 @@ def test_points_split_over_weighted_groups_with_partial_credit():
     assert grade.score(results, "l", dict(spec, partial=False))["earned"] == 0
     visible_only = grade.score(results, "l", spec, kinds=("visible",))  # inside an edition
     assert (visible_only["points"], visible_only["earned"]) == (6, 4.5)
+
+
+def test_each_failing_test_is_recorded_with_the_line_that_says_why(tmp_path, monkeypatch):
+    # the grader's plugin, run as the grader runs it (--tb=native): the reason comes from the
+    # exception itself, whatever pytest prints
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    pass\n"
+        "def test_says_why():\n    x = [1, 2]\n    assert len(x) == 3, 'wanted three'\n"
+        "def test_plain_assert():\n    assert 1 + 1 == 3\n"
+        "def test_a_rank_failed():\n    raise RuntimeError('rank 1 failed:\\nTraceback (most recent call last):\\n'\n"
+        "                       '  File \"x.py\", line 1\\nValueError: bad shape')\n"
+        "def test_region():\n    raise NotImplementedError('01_vanilla_dp.py: average the gradients')\n"
+        "@pytest.fixture\ndef broken():\n    raise KeyError('no such rank')\n"
+        "def test_setup_fails(broken):\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    results, status, _, _ = grade.run_tests(str(tmp_path), ["test_x.py"], 60, 120)
+    assert status == "ok", results
+    assert results == {"test_x.py::test_ok": (True, ""),
+                       "test_x.py::test_says_why": (False, "AssertionError: wanted three"),
+                       "test_x.py::test_plain_assert": (False, "AssertionError: assert (1 + 1) == 3"),
+                       "test_x.py::test_a_rank_failed": (False, "ValueError: bad shape"),
+                       "test_x.py::test_region": (False, "NotImplementedError: 01_vanilla_dp.py: average the gradients"),
+                       "test_x.py::test_setup_fails": (False, "KeyError: 'no such rank'")}
 
 
 def test_grade_class_grades_as_many_at_once_as_this_process_has_cpus(tmp_path, monkeypatch, capsys):

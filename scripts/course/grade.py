@@ -148,7 +148,7 @@ def run_tests(where, tests, test_timeout, timeout, skip_worlds=(), verbose=False
                DP_GRADE_RESULTS=results_path, DP_GRADE_TEST_TIMEOUT=str(test_timeout),
                DP_GRADE_SKIP_WORLDS=",".join(map(str, skip_worlds)))
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "scripts.course.plugin",
-           "--continue-on-collection-errors", "-o", "addopts=", *tests]
+           "--tb=native", "--continue-on-collection-errors", "-o", "addopts=", *tests]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=where, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                             stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT)

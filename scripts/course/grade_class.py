@@ -101,12 +101,12 @@ def write(results, lessons, out_dir):
             earned = [row["earned"] for row in r["rows"]]
             w.writerow([r["student"], *[f"{e:g}" for e in earned], f"{round(sum(earned), 2):g}",
                         f"{round(sum(row['points'] for row in r['rows']), 2):g}", r["status"], r["seconds"]])
+    kept = ("earned", "points", "passed", "total", "groups", "failing")  # per lesson
     report = {"points": {n: s["points"] for n, s in lessons.items()},
               "students": {r["student"]: {
                   "total": round(sum(row["earned"] for row in r["rows"]), 2), "status": r["status"],
                   "seconds": r["seconds"], "notes": r["notes"],
-                  "lessons": {row["lesson"]: {k: row[k] for k in ("earned", "points", "passed", "total", "failing")}
-                              for row in r["rows"]}} for r in results}}
+                  "lessons": {row["lesson"]: {k: row[k] for k in kept} for row in r["rows"]}} for r in results}}
     with open(os.path.join(out_dir, "grades.json"), "w") as f:
         json.dump(report, f, indent=1)
 
