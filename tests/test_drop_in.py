@@ -108,25 +108,26 @@ def same_every_step(got, want, exact, tol=None):
                 torch.testing.assert_close(g[name], w[name], **t, msg=f"step {step} {name}")
 
 
-# At 2 ranks the arithmetic is DDP's, operation for operation: each gradient divided by 2 (exact)
-# and summed with the other rank's (a + b = b + a), then the same optimizer on the same tensors:
-# bit for bit. At 4 ranks gloo's ring sums four values in an order that depends on where an
-# element falls in the buffer it reduces (a parameter alone, or a bucket): float round-off,
-# ~1e-7 relative per step; 1e-5 is far below what a missing average or a stale gradient does.
-# Except the attention's key bias (zero_parity.KEY_BIAS_ATOL says why): its exact gradient is
-# zero, so what backward computes for it is round-off noise, which AdamW normalises into steps
-# of up to lr: within 2 x lr per step taken.
-TOL4 = dict(rtol=1e-5, atol=1e-6)
+# Round-off: where the lessons and their counterpart sum or vectorise in other orders (04 and 05,
+# below), ~1e-7 relative per step; 1e-5 is far below what a missing average or a stale gradient
+# does. Except the attention's key bias (zero_parity.KEY_BIAS_ATOL says why): its exact gradient
+# is zero, so what backward computes for it is round-off noise, which AdamW normalises into steps
+# of up to lr: within 2 x lr per step taken (same_every_step).
+ROUNDOFF = dict(rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("world", [2])
 @pytest.mark.parametrize("lesson", ["01", "02", "03"])
 def test_ddp_loop_runs_02_03_unchanged_and_01_with_its_one_call(world, lesson):
+    # At 2 ranks the arithmetic is DDP's, operation for operation: each gradient divided by 2
+    # (exact) and summed with the other rank's (a + b = b + a), then the same optimizer on the
+    # same tensors: bit for bit. (At 4 ranks gloo's ring would sum four values in an order that
+    # depends on where an element falls in the buffer it reduces: round-off, not run here.)
     for rank_out in replicated(world):
         for opt_name in OPTIMIZERS:
             for to_none in (True, False):
                 got, want = rank_out[lesson, opt_name, to_none], rank_out["ddp", opt_name, to_none]
-                same_every_step(got, want, exact=world == 2, tol=TOL4)
+                same_every_step(got, want, exact=True)
 
 
 # ----------------------------------------------------------------------------- 04, 05 vs ZeroRedundancyOptimizer
@@ -191,10 +192,10 @@ def test_zero_redundancy_loop_runs_04_05_with_an_lr_scheduler(world, lesson):
     # ZeroRedundancyOptimizer steps whole parameters, the lessons flat shards: AdamW and SGD are
     # elementwise, so the same numbers, but CPU kernels vectorise a long flat tensor and many
     # short ones differently (fused multiply-adds in the vector loop, not in the tail), and 05
-    # reduce-scatters each micro-step where DDP sums them first: round-off only. 1e-5 as above.
+    # reduce-scatters each micro-step where DDP sums them first: round-off only (ROUNDOFF).
     for rank_out in sharded(world):
         for opt_name in OPTIMIZERS:
-            same_every_step(rank_out[lesson, opt_name], rank_out["torch", opt_name], exact=False, tol=TOL4)
+            same_every_step(rank_out[lesson, opt_name], rank_out["torch", opt_name], exact=False, tol=ROUNDOFF)
 
 
 @pytest.mark.parametrize("world", [2])
