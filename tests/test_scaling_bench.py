@@ -181,6 +181,24 @@ def test_every_counterpart_the_benchmark_runs_is_held_to_a_formula():
     assert report["comm"]["issued_ring_bytes_per_step"] == report["comm"]["theory_ring_bytes_per_step"] > 0
 
 
+def test_fsdp2s_references_run_in_bf16_as_06_does_and_the_others_refuse_it():
+    # 06-08 in bf16: fp32 shards at rest, gathered and reduce-scattered in bf16; FSDP2's
+    # MixedPrecisionPolicy(param_dtype=bf16) the same: 2-byte collectives, 4-byte shards
+    from lessonkit.theory import theory_ring_bytes
+    from scripts.runs import launch
+    flags = ["--steps", "2", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16"]
+    report = launch("scripts.perf.torch_reference", 2, ["--impl", "fsdp2", "--precision", "bf16", *flags])
+    psi, comm = report["n_params"], report["comm"]
+    assert comm["issued_ring_bytes_per_step"] == theory_ring_bytes("torch_fsdp2", psi, 2, "bf16") \
+        == theory_ring_bytes("torch_fsdp2", psi, 2, "fp32") / 2 > 0
+    assert report["memory"]["per_rank"][0]["params"] == 4 * psi / 2  # the fp32 shards
+    out = subprocess.run([sys.executable, "-m", "scripts.perf.torch_reference", "--impl", "ddp", "--precision", "bf16"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "error: --precision bf16: the PyTorch references run in fp32, and FSDP2's "
+        "(fsdp2_noreshard, fsdp2, fsdp2_offload, fsdp2_hsdp) in bf16 too"), out.stderr
+
+
 def test_bandwidth_contention_prints_one_row_per_size():
     # a smoke test of `bandwidth.py --contention` (README: "Overlap on 2 cores"): it runs and
     # reports each size's four times and the shares derived from them; no timing is asserted

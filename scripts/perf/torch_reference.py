@@ -7,20 +7,24 @@ benchmark compares like with like.
            | fsdp2_hsdp (FSDP2 over a 2-D R x G mesh, G = --shard-group: 08's counterpart)
            | local (no communication at all: each rank trains its own rows, the limit of data
              parallelism on this machine)
+
+fp32, and for FSDP2's (06-08's counterparts) also --precision bf16, as 06-08 run it: fp32 shards,
+gathered, computed and reduce-scattered in bf16 (MixedPrecisionPolicy(param_dtype=bf16)).
 """
 import sys
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lessonkit import common
-from model import get_batch
+from model import GPT, get_batch
 from lessonkit import lifecycle, measure, optimizers
 
 IMPLS = ("ddp", "zero_redundancy", "fsdp2_noreshard", "fsdp2", "fsdp2_offload", "fsdp2_hsdp", "local")
+BF16 = ("fsdp2_noreshard", "fsdp2", "fsdp2_offload", "fsdp2_hsdp")  # a MixedPrecisionPolicy; the others fp32
 
 
 class _ClippedStep:
@@ -53,12 +57,12 @@ def build(impl, model, args, env):
     mesh = (init_device_mesh(env.device.type, (env.world_size // g, g), mesh_dim_names=("replicate", "shard"))
             if impl == "fsdp2_hsdp" else init_device_mesh(env.device.type, (env.world_size,)))
     reshard = impl != "fsdp2_noreshard"
-    offload = {}
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.precision == "bf16" else None)}
     if impl == "fsdp2_offload":  # pinned host memory needs a GPU to pin for (07 pins only there too)
-        offload["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **offload)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **kw)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **kw)
     opt = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
     return model, _ClippedStep(opt, list(model.parameters()), args.grad_clip)
 
@@ -70,12 +74,15 @@ def main(argv=None):
     impl = parser.parse_known_args(argv)[0].impl
     rest = [a for a in argv if a not in ("--impl", impl)]
     args = common.parse_args(rest, description=__doc__)
-    if args.precision != "fp32":
-        lifecycle.fail("the PyTorch references run in fp32 only")
+    if args.precision != "fp32" and (impl not in BF16 or args.precision != "bf16"):
+        lifecycle.fail(f"--precision {args.precision}: the PyTorch references run in fp32, and FSDP2's "
+                       f"({', '.join(BF16)}) in bf16 too")
     if args.collectives != "torch":  # DDP, ZeroRedundancyOptimizer and FSDP2 call the process group themselves
         lifecycle.fail("the PyTorch references run on torch's collectives only (no --collectives ring, no --link)")
     env = common.init_distributed(args)
-    model = common.build_model(args, env)
+    # FSDP2 keeps fp32 shards and casts what it gathers (as 06-08): the model starts in fp32
+    model = GPT(common.model_config(args), seed=args.seed).to(env.device) if impl in BF16 else \
+        common.build_model(args, env)
     psi = common.n_params(model)
     wrapped, optimizer = build(impl, model, args, env)
     model.n_params = psi  # FSDP2 swaps in DTensor shards; Psi is the unsharded count
