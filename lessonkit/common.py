@@ -115,6 +115,9 @@ def parse_args(argv=None, description=""):
         fail(f"--loss-scale {args.loss_scale:g}: only fp16 scales its loss (use it with --precision fp16)")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         fail("--resume and --save-every need --checkpoint-dir DIR")
+    if args.checkpoint_dir and not (args.resume or args.save_every):
+        fail(f"--checkpoint-dir {args.checkpoint_dir} alone saves and resumes nothing: add --save-every K "
+             "(and --resume or --resume auto to continue from it)")
     if args.save_every > args.steps:  # saved after every K-th step: none of --steps N would be
         fail(f"--save-every {args.save_every} is more than --steps {args.steps}: no checkpoint would be written")
     if args.report and os.path.isdir(args.report):

@@ -59,7 +59,8 @@ BAD = [
     (["--loss-scale", "7.174648137343064e-43"], "a power of two from 2^-126 to 2^127"),  # 2^-140: 1/S is inf in fp32
     (["--loss-scale", str(2.0 ** 128)], "a power of two from 2^-126 to 2^127"),  # inf as fp32
     (["--loss-scale", "big"], "argument --loss-scale: a power of two from 2^-126 to 2^127, such as 65536 or 1048576, got big"),
-    (["--checkpoint-dir", __file__], f"--checkpoint-dir {__file__} is a file, not a directory"),
+    (["--checkpoint-dir", __file__, "--save-every", "1"], f"--checkpoint-dir {__file__} is a file, not a directory"),
+    (["--checkpoint-dir", "ckpt"], "--checkpoint-dir ckpt alone saves and resumes nothing: add --save-every K"),
     # made before the first step (it once failed at the first save, a rank's traceback beside it)
     (["--checkpoint-dir", f"{__file__}/sub", "--save-every", "1"],
      f"--checkpoint-dir {__file__}/sub cannot be made: Not a directory"),

@@ -145,7 +145,8 @@ def test_plain_resume_still_needs_a_checkpoint(runs):
 
 
 def test_resume_flag(runs, monkeypatch, tmp_path):
-    parse = lambda *flags: common.parse_args([*flags, "--checkpoint-dir", str(tmp_path)]).resume  # noqa: E731
+    def parse(*flags):
+        return common.parse_args([*flags, "--checkpoint-dir", str(tmp_path), "--save-every", "1"]).resume
     assert (parse(), parse("--resume"), parse("--resume", "auto")) == (False, True, "auto")
     assert parse("--resume", "--steps", "3") is True  # a flag after it is no value of it
 
