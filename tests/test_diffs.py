@@ -1,4 +1,10 @@
 """docs/diffs/ holds the diffs between consecutive lessons; they must match the lessons."""
+import json
+import os
+import subprocess
+import sys
+
+from harness import ROOT
 from scripts.learn import diffs
 
 
@@ -10,7 +16,12 @@ def test_diffs_are_up_to_date():
 
 
 def test_diffs_are_stable():
-    # the same lessons give byte-identical output (no timestamps, no dict-order effects)
-    assert diffs.expected() == diffs.expected()
+    # the same lessons give byte-identical output in another process, under another hash seed
+    # (no timestamps, no set- or dict-order effects)
+    code = "import json; from scripts.learn import diffs; print(json.dumps(diffs.expected()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONHASHSEED="12345"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == diffs.expected()
     for text in diffs.expected().values():
         assert text.startswith(diffs.HEADER) and "\n--- " in text and "\n+++ " in text
