@@ -317,7 +317,12 @@ def test_each_failing_test_is_recorded_with_the_line_that_says_why(tmp_path, mon
         "                       '  File \"x.py\", line 1\\nValueError: bad shape')\n"
         "def test_region():\n    raise NotImplementedError('01_vanilla_dp.py: average the gradients')\n"
         "@pytest.fixture\ndef broken():\n    raise KeyError('no such rank')\n"
-        "def test_setup_fails(broken):\n    pass\n")
+        "def test_setup_fails(broken):\n    pass\n"
+        "def test_region_under_a_wrapper():\n    try:\n        raise NotImplementedError('06_zero3.py: gather a unit')\n"
+        "    except NotImplementedError as e:\n        raise RuntimeError('the step failed') from e\n"
+        "class Odd(Exception):\n    def __str__(self):\n        raise ValueError('no text')\n"
+        "def test_an_exception_without_text():\n    raise Odd()\n"
+        "def test_an_assert_showing_output():\n    assert 'ok' in 'ValueError: in the output', 'the run printed'\n")
     monkeypatch.setenv("PYTHONPATH", ROOT)
     results, status, _, _ = grade.run_tests(str(tmp_path), ["test_x.py"], 60, 120)
     assert status == "ok", results
@@ -326,7 +331,10 @@ def test_each_failing_test_is_recorded_with_the_line_that_says_why(tmp_path, mon
                        "test_x.py::test_plain_assert": (False, "AssertionError: assert (1 + 1) == 3"),
                        "test_x.py::test_a_rank_failed": (False, "ValueError: bad shape"),
                        "test_x.py::test_region": (False, "NotImplementedError: 01_vanilla_dp.py: average the gradients"),
-                       "test_x.py::test_setup_fails": (False, "KeyError: 'no such rank'")}
+                       "test_x.py::test_setup_fails": (False, "KeyError: 'no such rank'"),
+                       "test_x.py::test_region_under_a_wrapper": (False, "NotImplementedError: 06_zero3.py: gather a unit"),
+                       "test_x.py::test_an_exception_without_text": (False, "test_x.Odd: <exception str() failed>"),
+                       "test_x.py::test_an_assert_showing_output": (False, "AssertionError: the run printed")}
 
 
 def test_grade_class_grades_as_many_at_once_as_this_process_has_cpus(tmp_path, monkeypatch, capsys):

@@ -196,7 +196,7 @@ def test_fsdp2s_references_run_in_bf16_as_06_does_and_the_others_refuse_it():
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip() == (
         "error: --precision bf16: the PyTorch references run in fp32, and FSDP2's "
-        "(fsdp2_noreshard, fsdp2, fsdp2_offload, fsdp2_hsdp) in bf16 too"), out.stderr
+        "(fsdp2, fsdp2_offload, fsdp2_hsdp) in bf16 too"), out.stderr
 
 
 def test_bandwidth_contention_prints_one_row_per_size():

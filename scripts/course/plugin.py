@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import traceback
 
 import pytest
 
@@ -77,7 +78,9 @@ def _record(test, ok, reason=""):
 
 def first_error(text):
     """The line that says why a test failed: a region left as it was, a time limit, or the
-    exception a rank raised (spawn reports every rank's traceback), else the first line."""
+    exception a rank raised (spawn reports every rank's traceback), else the first line. `text`:
+    pytest's report of a failure, whose `E` lines are the exception's (the plugin writes a test's
+    exception chain so, and pytest a collection error)."""
     for pattern in (r"NotImplementedError: .*", r"GradeTimeout: .*", r"TimeoutError: .*"):
         m = re.search(pattern, text)
         if m:
@@ -126,13 +129,28 @@ def pytest_collectreport(report):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    # why it failed, read off the exception itself: its type and message (a rank's traceback, or
-    # pytest's account of an assert), not pytest's report of every frame, which the grader asks
-    # for in Python's own format (--tb=native: with pytest's, an untouched edition's grading took
-    # 60 s here, against 38 s)
+    # why it failed, read off the exception itself, not pytest's report of every frame, which the
+    # grader asks for in Python's own format (--tb=native: with pytest's, an untouched edition's
+    # grading took 60 s here, against 38 s)
     report = (yield).get_result()
     if report.failed and call.excinfo is not None:
-        report.grade_reason = first_error(f"{call.excinfo.typename}: {call.excinfo.value}")
+        try:
+            report.grade_reason = first_error("\n".join("E   " + line for line in _chain(call.excinfo.value)))
+        except Exception:  # (a student's exception can do anything, even in its __str__)
+            pass
+
+
+def _chain(error):
+    """The lines of an exception and of those it was raised from or while handling, each as
+    Python prints its last line ("Type: message", a rank's traceback in it; pytest's account of
+    an assert), the outermost first: a region's NotImplementedError or a time limit anywhere in
+    the chain is found. (A __str__ that raises prints as Python prints it.)"""
+    lines, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        lines += "".join(traceback.format_exception_only(type(error), error)).splitlines()
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return lines
 
 
 def _reason(report):
