@@ -91,8 +91,7 @@ def parse_args(argv=None, description=""):
     parser = build_parser(description)
     args, world = parser.parse_args(argv), int(os.environ.get("WORLD_SIZE", "1"))
     lesson = description[7:9] if description.startswith("Lesson ") else ""  # "Lesson 07: ..."
-    # a flag this lesson would ignore while its output looked as if it ran: refused (knobs pass through).
-    # 00 trains nothing: it takes the GPT's shape (its Psi), --seed, --link and the run's own flags
+    # a flag this lesson would ignore is refused (knobs pass); 00 trains nothing: it takes the GPT's shape, --seed, --link, run flags
     trains, a = "01 02 03 04 05 06 07 08", args
     untrained = [(f"--{k.replace('_', '-')}", trains, v != parser.get_default(k)) for k, v in vars(a).items() if k not in (
         "seed", "seq_len", "vocab_size", "n_layer", "d_model", "n_head", "link", "collectives", "device", "timeout",
@@ -113,11 +112,9 @@ def parse_args(argv=None, description=""):
         fail("--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative (finite numbers: not nan or inf)")
     if args.loss_scale is not None and args.precision != "fp16":
         fail(f"--loss-scale {args.loss_scale:g}: only fp16 scales its loss (use it with --precision fp16)")
-    if (args.resume or args.save_every) and not args.checkpoint_dir:
-        fail("--resume and --save-every need --checkpoint-dir DIR")
-    if args.checkpoint_dir and not (args.resume or args.save_every):
-        fail(f"--checkpoint-dir {args.checkpoint_dir} alone saves and resumes nothing: add --save-every K "
-             "(and --resume or --resume auto to continue from it)")
+    if bool(args.resume or args.save_every) != bool(args.checkpoint_dir):  # each needs the other
+        fail(f"--checkpoint-dir {args.checkpoint_dir} alone saves and resumes nothing: add --save-every K (and --resume or "
+             "--resume auto to continue from it)" if args.checkpoint_dir else "--resume and --save-every need --checkpoint-dir DIR")
     if args.save_every > args.steps:  # saved after every K-th step: none of --steps N would be
         fail(f"--save-every {args.save_every} is more than --steps {args.steps}: no checkpoint would be written")
     if args.report and os.path.isdir(args.report):
