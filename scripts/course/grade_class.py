@@ -16,7 +16,8 @@ Submissions run in parallel, --jobs at a time (default: one per CPU core).
 grades.csv: one row per student: each lesson's points, the total, the status ("ok", "timed out
 after N s", or why it could not be graded) and the seconds it took. grades.json: the same, plus
 per lesson the tests passed of each group (visible, hidden), every failing test's first error
-line and the notes (a lesson regraded with the reference bucket.py). The exit code is 0 once both files are written, whatever the grades.
+line and the notes (a lesson regraded with the reference bucket.py). The exit code is 0 once
+both files are written, whatever the grades.
 """
 import concurrent.futures
 import csv
