@@ -61,8 +61,9 @@ def print_summary(r):
     if m.get("peak_grads") is not None:  # ZeRO-2: my slices plus the buckets in flight; 01-04 all of it
         flight = " + buckets in flight" if (th["peak_grads"] or 0) > th["grads"] else ""  # (05's; 03's are the gradients)
         bound = th["peak_grads"] and f" (theory {th['peak_grads'] / mib:.2f}: at rest{flight})"
+        whole = STATE_BYTES[r["precision"]]["grads"] * r["n_params"] / mib  # as backward makes it (06-08 keep fp32 shards)
         print(f"  gradients rank 0, MiB: peak during backward {m['peak_grads'] / mib:.2f}{bound or ''} | "
-              f"the whole gradient {STATE_BYTES[r['precision']]['grads'] * r['n_params'] / mib:.2f}", flush=True)
+              f"the whole gradient {whole:.2f}" + (f" ({r['precision']})" if r["precision"] != "fp32" else ""), flush=True)
     if m.get("peak_activations") is not None:  # what forward computed, alive until backward used it
         mode, th_act = r["config"]["activation_checkpointing"], r["memory"]["theory_activations"]
         print(f"  activations rank 0, MiB: peak {m['peak_activations'] / mib:.2f} (theory "

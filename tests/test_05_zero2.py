@@ -2,9 +2,13 @@
 (at rest, and the gradient bytes alive during backward) and communication against the ZeRO
 paper. Tolerances: tests/zero_parity.py."""
 
+import contextlib
+import io
+
 import pytest
 
 from lessonkit import common
+from lessonkit.summary import print_summary
 from graded import load_lesson
 from harness import comm_ops, gpt_train, held, launches, memory_theory, run_lesson, sent_bytes, theory_bytes
 from lessons import build
@@ -184,6 +188,9 @@ def test_a_model_many_buckets_long_never_holds_its_whole_gradient(world):
     report = results(world)[0]["deep"]["report"]
     whole = 2 * report["n_params"]
     assert max(peak_grads(report)) <= gradient_bound(DEEP, world) < 0.8 * whole
+    with contextlib.redirect_stdout(io.StringIO()) as printed:  # and the summary says in which precision
+        print_summary(report)
+    assert f"| the whole gradient {whole / MIB:.2f} (bf16)\n" in printed.getvalue(), printed.getvalue()
     if world == 2:  # the default GPT at --bucket-mb 0.25 (22 buckets), fp32: my slices are half of it
         report = results(2)[0]["default_many"]["report"]
         assert max(peak_grads(report)) <= gradient_bound(DEFAULT_MANY, 2) < 4 * report["n_params"]
