@@ -12,6 +12,7 @@ from model import GPT
 
 # A small GPT's Psi (the collectives move Psi fp32 elements): quick, and no world size divides it
 ARGV = ["--n-layer", "1", "--d-model", "33", "--n-head", "3", "--vocab-size", "65", "--device", "cpu"]
+PSI = common.n_params(GPT(common.model_config(common.parse_args(ARGV))))  # counted here, not taken from the run
 
 
 def run(argv):
@@ -56,8 +57,7 @@ def test_ring_collectives_equal_the_sums_made_here(world):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_each_rank_sends_psi_n_minus_1_over_n_per_pass(world):
-    psi = common.n_params(GPT(common.model_config(common.parse_args(ARGV))))  # counted here
-    numel = -(-psi // world) * world  # padded to a multiple of N
+    numel = -(-PSI // world) * world  # padded to a multiple of N
     for out in results(world):
         rs, ag, ar = out["reduce_scatter"], out["all_gather"], out["all_reduce"]
         # counted at our own sends: exactly (N-1) chunks of numel/N fp32 elements per pass
@@ -78,8 +78,7 @@ def test_report_has_the_lessons_fields_and_every_ranks_counts(tmp_path):
     gathered = spawn(2, run, ARGV + ["--report", str(path)])[0]
     report = json.loads(path.read_text())
     assert (report["strategy"], report["world_size"], report["backend"]) == ("collectives", 2, "gloo")
-    psi = common.n_params(GPT(common.model_config(common.parse_args(ARGV))))
-    assert report["config"]["n_layer"] == 1 and (report["n_params"], report["numel"]) == (psi, psi + psi % 2)
+    assert report["config"]["n_layer"] == 1 and (report["n_params"], report["numel"]) == (PSI, PSI + PSI % 2)
     assert report["comm"]["per_rank"] == gathered
 
 
