@@ -14,7 +14,7 @@ from lessonkit.lifecycle import WATCHDOG_S, fail, restart_advice, say, start_hea
 from model import GPT, GPTConfig
 from scripts.perf import ring_collectives
 
-# Supported: torch 2.6 to 2.15 (2.13 tested). The lessons call all_gather_into_tensor and reduce_scatter_tensor, which
+# Supported: torch 2.6 to 2.15 (2.13 pinned; 2.6-2.14 run). The lessons call all_gather_into_tensor and reduce_scatter_tensor, which
 # every one has; 2.13 made them aliases of *_single (absent before) and warns on every call. Silenced here only:
 warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
 
@@ -101,15 +101,15 @@ def parse_args(argv=None, description=""):
         if lesson and given and lesson not in owners:
             fail(f"{flag} is for lesson{'s 01-08' if owners == trains else ' ' + owners} only: lesson {lesson} would ignore it")
     for name, least in [(n, 1) for n in ("steps", "global_batch", "grad_accum", "seq_len", "n_layer", "d_model", "n_head",
-                                         "log_every")] + [("vocab_size", 2)] + [(n, 0) for n in ("weight_decay", "warmup_steps", "save_every", "chunk_mb")]:
-        if not least <= getattr(args, name) < float("inf"):  # (--save-every 0: never; nan and inf fail too)
-            fail(f"--{name.replace('_', '-')} must be {f'at least {least}' if least else '0 or positive'} and finite, got {getattr(args, name)}")
+                                         "log_every")] + [("vocab_size", 2)] + [(n, 0) for n in ("weight_decay", "warmup_steps", "save_every", "chunk_mb", "seed")]:
+        if not least <= getattr(args, name) < 2 ** 32:  # (--save-every 0: never; nan and inf fail too; seeds times 1,000,003 stay in 64 bits)
+            fail(f"--{name.replace('_', '-')} must be {f'at least {least}' if least else '0 or positive'} and below 2^32, got {getattr(args, name)}")
     if lesson != "00" and args.global_batch % (world * args.grad_accum):  # (00's is not given: it trains nothing)
         fail(f"--global-batch {args.global_batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")
     if args.d_model % args.n_head:
         fail(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
-    if not (all(0 < x < float("inf") for x in (args.lr, args.bucket_mb, args.timeout)) and 0 <= args.grad_clip < float("inf")):
-        fail("--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative (finite numbers: not nan or inf)")
+    if not (all(0 < x < float("inf") for x in (args.lr, args.bucket_mb)) and 1 <= args.timeout <= 86400 and 0 <= args.grad_clip < float("inf")):
+        fail("--lr and --bucket-mb must be positive, --timeout 1 to 86400 seconds, --grad-clip non-negative (finite numbers: not nan or inf)")
     if args.loss_scale is not None and args.precision != "fp16":
         fail(f"--loss-scale {args.loss_scale:g}: only fp16 scales its loss (use it with --precision fp16)")
     if bool(args.resume or args.save_every) != bool(args.checkpoint_dir):  # each needs the other

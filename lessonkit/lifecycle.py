@@ -5,6 +5,7 @@ rank and a non-zero exit, never a traceback or a hang; exit_process() leaves wit
 interpreter teardown that sometimes aborts gloo; the heartbeat names the peer that is gone;
 restart_advice() warns of a torchrun set-up whose restarts may fail (docs/checkpoints.md).
 """
+import math
 import os
 import signal
 import sys
@@ -185,7 +186,7 @@ def run_main(main):
 
     signal.signal(signal.SIGTERM, stopped)
     try:
-        main()
+        diverged = _diverged(main())
     except KeyboardInterrupt:
         exit_process(130)
     except Exception as e:  # e.g. a peer lost, a timeout: one line per rank, not a traceback
@@ -203,4 +204,17 @@ def run_main(main):
                 first = f"{_named(lost, 3 * HEARTBEAT_S)}; {first}"
         say(f"error (rank {os.environ.get('RANK', '0')}): {type(e).__name__}: {first} (DP_DEBUG=1 shows the traceback)")
         exit_process(1)
+    if diverged:  # a finished run whose loss is nan or infinite: not a result (every rank holds the same losses)
+        fail(diverged, code=1)
     exit_process(0)
+
+
+def _diverged(run):
+    """Where a lesson's run (what its main() returns) logged a loss that is not finite, in a line."""
+    losses = getattr(run, "losses", None) or []
+    at = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    if at is None:
+        return None
+    step = (getattr(run, "resumed_from", None) or 0) + at
+    return (f"the loss is {losses[at]} from step {step} on: training diverged "
+            "(the summary above); a smaller --lr, --warmup-steps or --grad-clip may help")

@@ -27,6 +27,15 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def folder(self, flag, path):
+        """Make the folder a tool writes to before it runs anything (a file there, or one that
+        cannot be made, once failed with a traceback after all its runs); return it."""
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            self.error(f"{flag} {path}: cannot be made: {e.strerror or e}")
+        return path
+
 
 def at_least(low, kind=int):
     """An argparse type for a tool's counts and limits: a `kind`, at least `low` and finite (nan,

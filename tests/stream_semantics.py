@@ -11,7 +11,13 @@ behaves as NCCL allows, at worst:
 - at wait(), every input and output still holds what it held just after the call (not written,
   not freed), or wait() raises an AssertionError naming the collective, the tensor and where it
   was issued;
-- a collective never waited for fails the context's exit.
+- a collective never waited for fails the context's exit;
+- every call, blocking or not, is listed in `order` (its name, its group's name, its tensor's),
+  so a test can hold that every rank issued the same collectives in the same order over all its
+  process groups: NCCL runs each group's collectives on their own stream, and two ranks that
+  issue two groups' collectives in opposite orders can wait on each other for ever (gloo, a
+  context per group, never notices). Only the calls of the thread that entered the context are
+  listed: --collectives ring's thread makes its point-to-point calls whenever it gets to them.
 A blocking collective's output is filled with garbage first (not where the input lies inside
 it): a byte it fails to write is NaN, not stale bytes that happen to be right.
 
@@ -24,10 +30,13 @@ import functools
 import inspect
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from lessonkit.comm_meter import group_name
 
 # name -> (input arguments, output arguments); in-place collectives name the tensor in both
 _ROLES = {
@@ -151,10 +160,12 @@ class _Work:
 
 class StreamSemantics:
     """`with StreamSemantics() as s:` run code under NCCL's rules (module docstring). After it,
-    s.checked counts the async collectives checked, and s.poisoned the blocking ones."""
+    s.checked counts the async collectives checked, s.poisoned the blocking ones, and s.order
+    lists every call (first_difference compares ranks' lists)."""
 
     def __init__(self):
-        self.in_flight, self.checked, self.poisoned = [], 0, 0
+        self.in_flight, self.checked, self.poisoned, self.order = [], 0, 0, []
+        self._thread = threading.get_ident()
         self._originals = {}
 
     # ------------------------------------------------------------------ install and remove
@@ -196,6 +207,7 @@ class StreamSemantics:
         def checked(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             inputs, outputs = _roles(name, bound.arguments)
+            self._issued(name, bound.arguments.get("group"), [bound.arguments[n] for n in inputs + outputs])
             asynchronous = name in ("isend", "irecv") or bound.arguments.get("async_op", False)
             if not asynchronous:
                 for o in outputs:
@@ -225,6 +237,7 @@ class StreamSemantics:
     def _batch(self, fn):
         @functools.wraps(fn)
         def checked(p2p_op_list):
+            self._issued("batch_isend_irecv", p2p_op_list[0].group, [op.tensor for op in p2p_op_list])
             ops, watched, copies = [], [], []
             for op in p2p_op_list:
                 mine = object.__new__(type(op))  # a copy (P2POp's __new__ defeats copy.copy)
@@ -243,6 +256,10 @@ class StreamSemantics:
             return self._launched("batch_isend_irecv", works, watched, copies)
         return checked
 
+    def _issued(self, name, group, tensors):
+        if threading.get_ident() == self._thread:
+            self.order.append(_call(name, group, tensors))
+
     def _launched(self, name, works, watched, copies):
         self.checked += 1
         flight = _Flight(name, works, watched, copies, _issued_at())
@@ -251,6 +268,22 @@ class StreamSemantics:
             return []
         self.in_flight.append(flight)
         return [_Work(self, flight, w) for w in works]
+
+
+def _call(name, group, tensors):
+    """A call as every rank should list it: the collective, its group by name (comm_meter's:
+    "world", or 08's "shard" and "replicate", which name a different group on each node but the
+    same role) and its largest tensor."""
+    return name, group_name(group), _describe(max(tensors, key=torch.Tensor.numel)) if tensors else "()"
+
+
+def first_difference(orders):
+    """Where ranks' `order` lists part (None if nowhere): the index and each rank's call there."""
+    for i, calls in enumerate(zip(*orders)):
+        if len(set(calls)) > 1:
+            return i, calls
+    lengths = [len(o) for o in orders]
+    return (min(lengths), f"lengths {lengths}") if len(set(lengths)) > 1 else None
 
 
 def _roles(name, arguments):

@@ -252,7 +252,7 @@ def test_hsdp_command_prints_each_g_and_the_choice(capsys):
     (["--stage", "zero4"], "unknown stage"),
     (["--efficiency", "1.5"], "at most 1"),
     (["--calibrate", "--link", "fast"], "argument --link: 'fast': expected GBPS:LATENCY_US"),
-    (["--calibrate", "--link", "0:50"], "the bandwidth must be positive"),
+    (["--calibrate", "--link", "0:50"], "the bandwidth must be 0.001 Gb/s or more"),
     (["--link", "1:50"], "--link goes with --calibrate"),
     (["--world", "64", "--shard-group", "3", "--hsdp"], "--shard-group 3 does not tile 64 GPUs"),
 ])

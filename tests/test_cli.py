@@ -30,28 +30,36 @@ BAD = [
     (["--device", "cuda"], "no CUDA GPU is available"),
     (["--steps", "0"], "--steps must be at least 1"),
     # nan compares false with everything: each bound is written so that it fails there too
-    (["--weight-decay", "nan"], "--weight-decay must be 0 or positive and finite, got nan"),
-    (["--weight-decay", "inf"], "--weight-decay must be 0 or positive and finite, got inf"),
-    (["--chunk-mb", "-1"], "--chunk-mb must be 0 or positive and finite, got -1.0"),
-    (["--chunk-mb", "nan"], "--chunk-mb must be 0 or positive and finite, got nan"),
-    (["--lr", "nan"], "--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative (finite numbers"),
-    (["--lr", "inf"], "--lr, --bucket-mb and --timeout must be positive"),
-    (["--grad-clip", "nan"], "--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative"),
-    (["--grad-clip", "-0.5"], "--lr, --bucket-mb and --timeout must be positive, --grad-clip non-negative"),
-    (["--bucket-mb", "nan"], "--lr, --bucket-mb and --timeout must be positive"),
-    (["--timeout", "inf"], "--lr, --bucket-mb and --timeout must be positive"),
+    (["--weight-decay", "nan"], "--weight-decay must be 0 or positive and below 2^32, got nan"),
+    (["--weight-decay", "inf"], "--weight-decay must be 0 or positive and below 2^32, got inf"),
+    (["--chunk-mb", "-1"], "--chunk-mb must be 0 or positive and below 2^32, got -1.0"),
+    (["--chunk-mb", "nan"], "--chunk-mb must be 0 or positive and below 2^32, got nan"),
+    # (a seed past 64 bits once ended in "Overflow when unpacking long long"; 1e300 decay, in nan)
+    (["--seed", str(2 ** 64)], f"--seed must be 0 or positive and below 2^32, got {2 ** 64}"),
+    (["--seed", "-1"], "--seed must be 0 or positive and below 2^32, got -1"),
+    (["--weight-decay", "1e300"], "--weight-decay must be 0 or positive and below 2^32, got 1e+300"),
+    (["--lr", "nan"], "--lr and --bucket-mb must be positive, --timeout 1 to 86400 seconds, --grad-clip non-negative (finite numbers"),
+    (["--lr", "inf"], "--lr and --bucket-mb must be positive, --timeout 1 to 86400 seconds"),
+    (["--grad-clip", "nan"], "--lr and --bucket-mb must be positive, --timeout 1 to 86400 seconds, --grad-clip non-negative"),
+    (["--grad-clip", "-0.5"], "--lr and --bucket-mb must be positive, --timeout 1 to 86400 seconds, --grad-clip non-negative"),
+    (["--bucket-mb", "nan"], "--lr and --bucket-mb must be positive, --timeout 1 to 86400 seconds"),
+    (["--timeout", "inf"], "--lr and --bucket-mb must be positive, --timeout 1 to 86400 seconds"),
+    # (below a second gloo's connect gave up at once, in a wall of C++ frames; 1e300 overflowed a C int)
+    (["--timeout", "1e-9"], "--timeout 1 to 86400 seconds"), (["--timeout", "1e300"], "--timeout 1 to 86400 seconds"),
     (["--n-head", "3"], "--d-model 128 must be divisible by --n-head 3"),
     (["--link", "1"], "--link '1': expected GBPS:LATENCY_US, e.g. 1:50"),
     (["--link", "fast:50"], "--link 'fast:50': expected GBPS:LATENCY_US"),
-    (["--link", "0:50"], "--link '0:50': the bandwidth must be positive and the latency 0 or more"),
-    (["--link", "1:-5"], "the bandwidth must be positive and the latency 0 or more"),
+    (["--link", "0:50"], "--link '0:50': the bandwidth must be 0.001 Gb/s or more and the latency 0 to 1000000 us (1 s)"),
+    (["--link", "1:-5"], "the bandwidth must be 0.001 Gb/s or more and the latency 0 to 1000000 us"),
+    # (a latency of 11 days, 1e12 us, was taken: the run hung in its first send)
+    (["--link", "1:1e12"], "the latency 0 to 1000000 us (1 s)"), (["--link", "1e-300:0"], "the bandwidth must be 0.001 Gb/s or more"),
     (["--link", "1:50", "--collectives", "torch"], "--link simulates a link for the ring"),
     (["--collectives", "ring", "--device", "cuda"], "--collectives ring sends over gloo on the CPU"),
     (["--shard-group", "3"], "--shard-group 3 must be at least 1 and divide world size 1"),
     (["--shard-group", "0"], "--shard-group 0 must be at least 1 and divide world size 1"),
     (["--inter-link", "1:50"], "--inter-link needs nodes: --ranks-per-node G (08: its --shard-group G is the node)"),
     (["--ranks-per-node", "1"], "--ranks-per-node 1 needs --inter-link: the ranks sit on nodes for a link between them"),
-    (["--vocab-size", "1"], "--vocab-size must be at least 2 and finite, got 1"),  # (one token: every loss 0)
+    (["--vocab-size", "1"], "--vocab-size must be at least 2 and below 2^32, got 1"),  # (one token: every loss 0)
     (["--loss-scale", "1000", "--precision", "fp16"], "argument --loss-scale: a power of two from 2^-126 to 2^127, such as 65536 or 1048576, got 1000"),
     (["--loss-scale", "0"], "argument --loss-scale: a power of two from 2^-126 to 2^127, such as 65536 or 1048576, got 0"),
     (["--loss-scale", "-1024"], "argument --loss-scale: a power of two"),
@@ -102,6 +110,18 @@ def test_bad_flags_one_line_nonzero_exit():
         assert code == 2, err
         lines = [l for l in err.splitlines() if l.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], err
+
+
+def test_a_run_whose_loss_is_not_finite_exits_1_with_one_line():
+    """--lr 1e308 is a valid float: the first step makes every parameter nan. It once printed
+    "final loss nan" and exited 0, which a script or a grader takes for a result."""
+    small = ["--steps", "3", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
+             "--global-batch", "4", "--peak-params", "0"]
+    [(code, err)] = run_all([[sys.executable, lesson_file("04_zero1"), *small, "--lr", "1e308"]])
+    assert code == 1, err
+    errors = [l for l in err.splitlines() if l.startswith("error")]
+    assert errors == ["error: the loss is nan from step 1 on: training diverged (the summary above); "
+                      "a smaller --lr, --warmup-steps or --grad-clip may help"], err
 
 
 # every tool's command line (scripts.runs.Parser): found by its call, so a new tool is held to it too
@@ -267,3 +287,28 @@ def test_a_tools_bad_count_is_one_line(tool, argv, msg, monkeypatch, capsys):
         importlib.import_module(tool).main()
     err = capsys.readouterr().err
     assert e.value.code == 2 and msg in err and err.count("\n") == 1, err  # (no usage block above it)
+
+
+# a tool's folders and files, before anything runs (each once ended in a traceback; bench's after
+# all its runs)
+@pytest.mark.parametrize("tool, argv, msg", [
+    ("scripts.perf.bench", ["--out", __file__], f"bench: error: --out {__file__}: cannot be made: File exists"),
+    ("scripts.perf.scaling", ["--out", f"{__file__}/x"], f"scaling: error: --out {__file__}/x: cannot be made: Not a directory"),
+    ("scripts.perf.scaling", ["--replot", "--out", "/nonexistent"], "--replot: there is no /nonexistent/scaling.json"),
+    ("scripts.perf.scaling", ["--quick", "--worlds", "4"], "--quick runs worlds 1 and 2 only"),  # (none left: max() of [])
+    ("scripts.perf.timelines", ["--out", __file__], "timelines: error: --out"),
+    ("scripts.course.grade_class", [".", "--out", __file__], "grade_class: error: --out"),
+    ("scripts.course.grade", ["--points", "/nonexistent.toml"], "error: --points /nonexistent.toml: No such file or directory"),
+    ("scripts.course.grade", ["--points", __file__], f"error: --points {__file__}: "),  # not TOML
+    ("scripts.course.student_edition", ["out", "--source", "/nonexistent"], "--source /nonexistent: no such directory"),
+    ("tests.fuzz", ["--case", "{}"], "fuzz: error: --case: not a case as a failure prints it (KeyError: 'model')"),
+    ("tests.fuzz", ["--case", "[1]"], "fuzz: error: --case: not a case as a failure prints it (TypeError"),
+])
+def test_a_tools_bad_path_is_one_line(tool, argv, msg, monkeypatch, capsys):
+    import importlib
+    monkeypatch.setattr(sys, "argv", [tool, *argv])
+    with pytest.raises(SystemExit) as e:
+        code = importlib.import_module(tool).main()
+        sys.exit(code)
+    err = capsys.readouterr().err
+    assert e.value.code not in (0, None) and err.count("\n") <= 1 and msg in (err or str(e.value.code)), (err, e.value.code)

@@ -15,3 +15,18 @@ def test_fuzz_slice(world):
     found, _ = fuzz.run_batch(cases)
     failures = [fuzz.report(case, f) for case, f in zip(cases, found) if f]
     assert not failures, f"{len(failures)} of {len(cases)} cases fail:\n" + "\n".join(failures)
+
+
+def test_ranks_that_issue_collectives_in_another_order_are_a_finding():
+    """Every lesson runs under the stream-semantics stand-in, which lists each rank's calls; two
+    ranks whose lists differ (NCCL: a hang, or one collective's bytes taken by another) fail the
+    case even where gloo completed it and the numbers agree. Here rank 1's list, swapped."""
+    [case] = fuzz.drawn(fuzz.cases(2), 1, SEED)
+    [(ranks, why)] = fuzz.launch([case], ("02",), 20)
+    assert why is None and fuzz.findings(case, ranks, ("02",)) == []
+    order = ranks[1]["02"]["order"]
+    assert len(order) > 2 and ranks[0]["02"]["order"] == order
+    first = next(i for i in range(len(order) - 1) if order[i] != order[i + 1])
+    order[first], order[first + 1] = order[first + 1], order[first]
+    [(name, check, detail)] = fuzz.findings(case, ranks, ("02",))
+    assert (name, check) == ("02", "collectives differ") and f"at call {first}" in detail, detail

@@ -15,7 +15,7 @@ from lessonkit.comm_meter import CommMeter
 from graded import load_lesson
 from harness import launches, run_lesson
 from lessons import build
-from stream_semantics import StreamSemantics
+from stream_semantics import StreamSemantics, first_difference
 from toy import toy_train
 
 ARGV = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
@@ -71,7 +71,7 @@ def twice(run):
     try:
         with StreamSemantics() as s:
             out["checked"] = run()
-        out["collectives"] = s.checked
+        out["collectives"], out["order"] = s.checked, s.order
     except Exception as e:
         out["error"] = f"under the harness: {type(e).__name__}: {e}"
     return out
@@ -211,6 +211,15 @@ def harness_itself():
     except AssertionError as e:
         out["never_waited"] = str(e)
     out["restored"] = (dist.all_reduce, dist.P2POp) == installed
+    # two groups' collectives issued in opposite orders on the two ranks: gloo (a context per
+    # group) completes them; NCCL may not, and the lists of calls must tell
+    other = dist.new_group(group_desc="other")
+    with StreamSemantics() as s:
+        groups = [None, other] if rank == 0 else [other, None]
+        works = [dist.all_reduce(torch.ones(3), group=g, async_op=True) for g in groups]
+        for w in works:
+            w.wait()
+    out["crossed_order"] = s.order
     return out
 
 
@@ -263,6 +272,16 @@ def test_lesson_runs_clean_under_nccl_semantics_with_the_same_bits(world, case):
             assert out[case]["checked"]["report"]["comm"]["ops"] == out[case]["plain"]["report"]["comm"]["ops"]
         if case.removeprefix("toy_")[:2] in ASYNC:
             assert out[case]["collectives"] > 0  # the async path ran under the harness
+
+
+@pytest.mark.parametrize("world, case", [(2, case) for case in [*CASES, *TOYS, "00"]] + [(4, case) for case in GRID])
+def test_every_rank_issues_the_same_collectives_in_the_same_order(world, case):
+    """Over all its process groups at once (NCCL gives each group its own stream, so two ranks
+    issuing two groups' collectives in opposite orders can wait on each other for ever; gloo,
+    a context per group, never notices), whatever each rank's data did (the toys' routing)."""
+    orders = [out[case]["order"] for out in results(world)]
+    assert orders[0], case  # the harness saw its calls
+    assert first_difference(orders) is None, f"{case}: {first_difference(orders)}"
 
 
 def test_00_ring_runs_clean_under_nccl_semantics():
@@ -318,6 +337,13 @@ def test_refuses_an_input_written_or_a_buffer_freed_before_wait():
         assert "dist.reduce_scatter_tensor" in h["written"] and "input (4,) float32 was written to" in h["written"]
         assert "dist.all_gather_into_tensor on (4,)" in h["freed"] and "output (4,) float32 was freed" in h["freed"]
         assert "test_stream_semantics.py" in h["freed"]  # where it was issued
+
+
+def test_tells_ranks_that_issue_two_groups_in_opposite_orders():
+    orders = [out["harness"]["crossed_order"] for out in results(2)]
+    assert orders[0] == [("all_reduce", "world", "(3,) float32"), ("all_reduce", "other", "(3,) float32")]
+    assert orders[1] == orders[0][::-1]
+    assert first_difference(orders) == (0, (orders[0][0], orders[1][0]))
 
 
 def test_reports_a_collective_never_waited_for():

@@ -45,8 +45,11 @@ def load_points(path, only=None):
     """(settings, {lesson: {"points", "partial", "visible", "hidden", "uses"}}), restricted to lessons
     starting with one of `only` ("01", "03_buckets", ...). A group is {"weight", "tests",
     "weights" {test: weight}}."""
-    with open(path, "rb") as f:
-        cfg = tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            cfg = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:  # missing, a folder, not TOML
+        raise SystemExit(f"error: --points {path}: {getattr(e, 'strerror', None) or e}") from None
     lessons = cfg.get("lessons", {})
     for name, spec in lessons.items():
         if not isinstance(spec.get("points"), (int, float)) or not any(k in spec for k in KINDS):

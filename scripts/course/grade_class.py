@@ -35,12 +35,15 @@ from scripts.runs import ROOT, Parser, at_least, usable_cpus
 ARCHIVES = (".zip", ".tar.gz", ".tgz")
 
 
-def submissions(folder):
-    """{student: path} of the folder's entries: directories and archives, by name."""
+def submissions(folder, grades=None):
+    """{student: path} of the folder's entries: directories and archives, by name; not the
+    folder the grades go to, if it is one of them (--out DIR/grades: no student "grades")."""
     out = {}
     for entry in sorted(os.listdir(folder)):
         path = os.path.join(folder, entry)
         name = next((entry[:-len(a)] for a in ARCHIVES if entry.endswith(a)), None)
+        if grades and os.path.realpath(path) == os.path.realpath(grades):
+            continue
         if os.path.isdir(path):
             out[entry] = path
         elif name and os.path.isfile(path):
@@ -123,11 +126,12 @@ def main(argv=None):
     p.add_argument("--test-timeout", type=at_least(1, float), help="seconds per test (default: points.toml's)")
     p.add_argument("--timeout", type=at_least(1, float), help="seconds per submission (default: points.toml's)")
     a = p.parse_args(argv)
+    p.folder("--out", a.out)
     if not os.path.isdir(a.folder):
         print(f"error: {a.folder} is not a directory", file=sys.stderr)
         return 2
     settings, lessons = grade.load_points(a.points, a.lessons)
-    found = submissions(a.folder)
+    found = submissions(a.folder, a.out)
     if not found:
         print(f"error: no submission (directory, {', '.join(ARCHIVES)}) in {a.folder}", file=sys.stderr)
         return 2

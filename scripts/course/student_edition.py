@@ -283,6 +283,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not a.check and not a.out_dir:
         p.error("OUT_DIR is required (or --check)")
+    if not os.path.isdir(a.source):  # (else: "no region" for every recipe)
+        p.error(f"--source {a.source}: no such directory")
     try:
         files = edition(a.source, a.level)
     except FenceError as e:

@@ -206,6 +206,7 @@ def main():
                    help="where bench.md, bench.json and bench.png go")
     p.add_argument("--json", default=None, help="also write the JSON here")
     a = p.parse_args()
+    p.folder("--out", a.out)
     if a.quick:
         a.rounds, a.steps = 1, 6
     if a.steps < 5:
@@ -231,7 +232,6 @@ def main():
               + (" (--quick: a tiny model)" if a.quick else ""))
     md = header + "\n" + "\n".join(table_for(c, s) for c, s in results.items()) + "\n"
     print("\n" + md)
-    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench.md"), "w") as f:
         f.write(md)
     doc = {"meta": {"header": header, "nproc": a.nproc, "rounds": a.rounds, "steps": a.steps, "quick": a.quick,

@@ -46,6 +46,7 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "figures"), help="where the PNG files go")
     p.add_argument("--no-write-back", action="store_true", help="leave the notebooks' saved outputs alone")
     a = p.parse_args()
+    p.folder("--out", a.out)
     with tempfile.TemporaryDirectory() as cache:
         env = {"FIGURES_DIR": os.path.abspath(a.out), "NOTEBOOK_CACHE": cache,
                "NOTEBOOK_QUICK": "1" if a.quick else "0", "OMP_NUM_THREADS": "1",

@@ -127,7 +127,7 @@ def parse():
     a = p.parse_args()
     if a.steps < 2:
         p.error("--steps must be at least 2 (a save at step 2 is resumed)")
-    return a
+    return p, a
 
 
 def machine(device):
@@ -373,7 +373,7 @@ def write(out_dir, lines, everything=None):
 
 
 def main():
-    a = parse()
+    p, a = parse()
     try:
         import torch
     except ImportError:
@@ -381,6 +381,7 @@ def main():
     if a.device == "cuda" and torch.cuda.device_count() == 0:
         print("gpu-check: no CUDA GPU on this machine (torch sees none): nothing to check")
         return 0
+    p.folder("--out", a.out)  # before the first run, not after the last
     try:
         return check(a)
     except RuntimeError as e:  # a run failed: one line here, its command and whole output in a file

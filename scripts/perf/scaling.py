@@ -261,7 +261,10 @@ def main():
     a.out = a.out or os.path.join(ROOT, "runs", "scaling-quick" if a.quick else "scaling")
     a.figures = a.figures or (a.out if a.quick else os.path.join(ROOT, "docs", "figures"))
     if a.replot:
-        with open(os.path.join(a.out, "scaling.json")) as f:
+        saved = os.path.join(a.out, "scaling.json")
+        if not os.path.isfile(saved):
+            p.error(f"--replot: there is no {saved}: run make scaling first (or give --out its folder)")
+        with open(saved) as f:
             result = json.load(f)
         for r in result["rows"]:  # a scaling.json written before the key said what it counts
             if "ring_bytes_per_step" in r:
@@ -269,9 +272,13 @@ def main():
         md, written = write_outputs(result, a.out, a.figures)
         print(md + "\n" + "\n".join(f"wrote {os.path.relpath(w, ROOT)}" for w in written))
         return
+    p.folder("--out", a.out)
+    p.folder("--figures", a.figures)
     catalogue = QUICK_SIZES if a.quick else SIZES
     if a.quick:
         a.worlds, a.steps = [w for w in a.worlds if w <= 2], min(a.steps, 4)
+        if not a.worlds:
+            p.error("--quick runs worlds 1 and 2 only: give --worlds 1 or 2, or leave out --quick")
     sizes = {s: catalogue[s] for s in (a.sizes or catalogue) if s in catalogue}
     if a.sizes and len(sizes) != len(a.sizes):
         p.error(f"--sizes: choose from {' '.join(catalogue)}")

@@ -171,7 +171,7 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "figures"), help="where the charts go")
     p.add_argument("--nproc", type=at_least(1), default=2)
     a = p.parse_args()
-    os.makedirs(a.out, exist_ok=True)
+    p.folder("--out", a.out)
     rows = []
     for label, lesson, extra, chart in RUNS:
         with tempfile.TemporaryDirectory() as trace:
