@@ -14,7 +14,7 @@ from lessonkit.lifecycle import WATCHDOG_S, fail, restart_advice, say, start_hea
 from model import GPT, GPTConfig
 from scripts.perf import ring_collectives
 
-# Supported: torch 2.6 to 2.15 (2.13 pinned; 2.6-2.14 run). The lessons call all_gather_into_tensor and reduce_scatter_tensor, which
+# Supported: torch 2.6 to 2.15 (2.13 pinned; 2.6, 2.11, 2.14 run). The lessons call all_gather_into_tensor and reduce_scatter_tensor, which
 # every one has; 2.13 made them aliases of *_single (absent before) and warns on every call. Silenced here only:
 warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
 

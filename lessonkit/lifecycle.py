@@ -210,11 +210,13 @@ def run_main(main):
 
 
 def _diverged(run):
-    """Where a lesson's run (what its main() returns) logged a loss that is not finite, in a line."""
+    """Where a lesson's run (what its main() returns) ends on losses that are not finite, in a line."""
     losses = getattr(run, "losses", None) or []
-    at = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
-    if at is None:
+    if not losses or math.isfinite(losses[-1]):  # (an fp16 step whose loss overflowed, then recovered: trained)
         return None
+    at = len(losses)
+    while at and not math.isfinite(losses[at - 1]):  # back to where the losses stopped being finite
+        at -= 1
     step = (getattr(run, "resumed_from", None) or 0) + at
     return (f"the loss is {losses[at]} from step {step} on: training diverged "
             "(the summary above); a smaller --lr, --warmup-steps or --grad-clip may help")

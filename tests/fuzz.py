@@ -624,7 +624,21 @@ def findings(case, ranks, lessons=LESSONS):
             if skipped.get(name) != skipped["reference"] and settled and not alike and not later:
                 out.append((name, "skipped steps", f"{skipped[name]}, where one process skipped "
                             f"{skipped['reference']} and {other} {skipped.get(other, '(did not run)')}"))
+            why = stepped_later(ranks[0][name], ref, skipped, name, loss_atol) if later else None
+            if why:  # LATER's: it stepped with finite numbers, on one process's run until then
+                out.append((name, "stepped later", why))
     return out
+
+
+def stepped_later(run, ref, skipped, name, loss_atol):
+    """Why a LATER run (05-08, fewer steps skipped than one process) is wrong, or None: every
+    loss and parameter finite, and the losses one process's (within loss_atol) up to and at the
+    first step it skipped alone (the same parameters until then)."""
+    if not all(math.isfinite(l) for l in run["losses"]) or not all(p.isfinite().all() for p in run["params"].values()):
+        return "a loss or a parameter is not finite"
+    first = min(set(skipped["reference"]) - set(skipped[name]))
+    gap = max(abs(a - b) for a, b in zip(run["losses"][:first + 1], ref["losses"][:first + 1]))
+    return None if gap <= loss_atol else f"loss {gap:.1e} from one process's by step {first} (bound {loss_atol:.1e})"
 
 
 def run_batch(cases, lessons=LESSONS, timeout_s=None):

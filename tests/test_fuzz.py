@@ -30,3 +30,16 @@ def test_ranks_that_issue_collectives_in_another_order_are_a_finding():
     order[first], order[first + 1] = order[first + 1], order[first]
     [(name, check, detail)] = fuzz.findings(case, ranks, ("02",))
     assert (name, check) == ("02", "collectives differ") and f"at call {first}" in detail, detail
+
+
+def test_a_run_that_skipped_fewer_steps_is_held_to_finite_numbers_and_one_process_until_then():
+    """fuzz.LATER excuses 05-08 for skipping fewer of one process's fp16 steps; what they did
+    instead must still hold: finite numbers, and one process's losses up to its first skip."""
+    import torch
+    ref, skipped = {"losses": [4.0, 3.9, 3.8]}, {"reference": [1], "05": []}
+    run = {"losses": [4.0, 3.9, 3.7], "params": {"w": torch.ones(3)}}
+    assert fuzz.stepped_later(run, ref, skipped, "05", 1e-3) is None  # (step 2 follows other weights)
+    off = {**run, "losses": [4.0, 3.95, 3.7]}
+    assert fuzz.stepped_later(off, ref, skipped, "05", 1e-3) == "loss 5.0e-02 from one process's by step 1 (bound 1.0e-03)"
+    for bad in ({**run, "losses": [4.0, 3.9, float("nan")]}, {**run, "params": {"w": torch.tensor([1.0, float("inf")])}}):
+        assert fuzz.stepped_later(bad, ref, skipped, "05", 1e-3) == "a loss or a parameter is not finite"

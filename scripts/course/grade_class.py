@@ -126,7 +126,6 @@ def main(argv=None):
     p.add_argument("--test-timeout", type=at_least(1, float), help="seconds per test (default: points.toml's)")
     p.add_argument("--timeout", type=at_least(1, float), help="seconds per submission (default: points.toml's)")
     a = p.parse_args(argv)
-    p.folder("--out", a.out)
     if not os.path.isdir(a.folder):
         print(f"error: {a.folder} is not a directory", file=sys.stderr)
         return 2
@@ -135,6 +134,7 @@ def main(argv=None):
     if not found:
         print(f"error: no submission (directory, {', '.join(ARCHIVES)}) in {a.folder}", file=sys.stderr)
         return 2
+    p.folder("--out", a.out)
     print(f"grading {len(found)} submissions from {a.folder}, {a.jobs} at a time (tests from {ROOT})")
     t0, results = time.monotonic(), []
     with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as pool:

@@ -206,11 +206,11 @@ def main():
                    help="where bench.md, bench.json and bench.png go")
     p.add_argument("--json", default=None, help="also write the JSON here")
     a = p.parse_args()
-    p.folder("--out", a.out)
     if a.quick:
         a.rounds, a.steps = 1, 6
     if a.steps < 5:
         p.error("--steps must be at least 5: 3 warm-up steps, one timed, the measured last one")
+    p.folder("--out", a.out)
     lessons = a.lessons or available_lessons()
     results = {}
     for config in a.configs:

@@ -272,8 +272,6 @@ def main():
         md, written = write_outputs(result, a.out, a.figures)
         print(md + "\n" + "\n".join(f"wrote {os.path.relpath(w, ROOT)}" for w in written))
         return
-    p.folder("--out", a.out)
-    p.folder("--figures", a.figures)
     catalogue = QUICK_SIZES if a.quick else SIZES
     if a.quick:
         a.worlds, a.steps = [w for w in a.worlds if w <= 2], min(a.steps, 4)
@@ -284,6 +282,8 @@ def main():
         p.error(f"--sizes: choose from {' '.join(catalogue)}")
     if a.steps < WARMUP + 2:
         p.error(f"--steps must be at least {WARMUP + 2}: warm-up, one timed step, the measured one")
+    p.folder("--out", a.out)
+    p.folder("--figures", a.figures)
     lessons = a.lessons or available_lessons()
     flags = [*FLAGS, "--steps", str(a.steps), "--measure-step", str(a.steps - 1), "--precision", a.precision]
     result = {"meta": {"torch": _torch_version(), "cores": usable_cpus(),
