@@ -72,7 +72,7 @@ def test_hybrid_table_06_against_08():
     reports = {"06_zero3": results(4)[0]["zero3_ring"]["report"], "08_hybrid": results(4)[0]["ring"]["report"]}
     lines = lecture.hybrid_table(reports, 4, 4).splitlines()
     assert len(lines) == 5 and "4 ranks as 2 simulated nodes of 2" in lines[0], lines
-    assert "10 Gb/s, 5 us inside a node and 0.05 Gb/s, 1000 us between nodes" in lines[0], lines[0]
+    assert "10 Gb/s, 5 us inside a node and 0.01 Gb/s, 2000 us between nodes" in lines[0], lines[0]
     zero3, hybrid = (dict(zip(["lesson", "loss", "step", "comm", "exposed", "intra", "intra_wire", "intra_theory",
                                "inter", "inter_wire", "inter_theory", "ranks", "params", "params_theory",
                                "states", "states_theory"], line.split())) for line in lines[3:])
