@@ -275,9 +275,11 @@ def test_gpu_check_runs_its_checks_on_cpu(tmp_path):
     # lines); every lesson runs on CPU in its own tests, and this is the script's path.
     proc = subprocess.run([sys.executable, "-m", "scripts.perf.gpu_check", "--device", "cpu", "--quick",
                            "--lessons", "01_vanilla_dp", "07_offload", "--precision", "fp32", "fp16",
-                           "--out", str(tmp_path)],
-                          cwd=ROOT, env=ENV, text=True, capture_output=True, timeout=600)
+                           "--out", str(tmp_path / "out")],
+                          cwd=ROOT, env=dict(ENV, TMPDIR=str(tmp_path)), text=True, capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not glob.glob(str(tmp_path / "gpu_check_*")), os.listdir(tmp_path)  # (it once left a folder a precision)
+    tmp_path = tmp_path / "out"
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert len(result["rows"]) == 2 * 2 * 2  # fp32 and fp16, world 1 and 2, two lessons
     assert all(r["ok"] for r in result["rows"])

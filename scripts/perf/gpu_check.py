@@ -424,9 +424,9 @@ def check(a):
         if precision == "fp16":  # (each run's follow below, as they finish: the table comes last)
             print("  fp16 references, skipped steps: " + ", ".join(f"{'the ' if n == 'CPU' else ''}{n} {skips(r)}"
                                                               for n, r in ref_reports.items()), flush=True)
-        trace = tempfile.mkdtemp(prefix="gpu_check_trace_")
         traced = a.device == "cuda" and ngpu >= 2  # overlap from kernel times (gloo: the CPU clock)
-        by_world = sweep(worlds, lessons, ["--device", a.device, *pflags, *(["--trace", trace] if traced else [])])
+        with tempfile.TemporaryDirectory(prefix="gpu_check_trace_") as trace:  # read by the runs, then gone
+            by_world = sweep(worlds, lessons, ["--device", a.device, *pflags, *(["--trace", trace] if traced else [])])
         reports[precision] = by_world
         for world in worlds:
             for lesson in lessons:
