@@ -23,7 +23,9 @@ reference knows which), as DDP's None: so every run has one semantics, the desig
 lesson runs under tests/stream_semantics.py, the CPU stand-in for NCCL's stream semantics: an
 output read before its wait(), or an input changed before it, fails the run, and ranks that
 issued different collectives, or the same in another order over all their process groups, are
-a finding ("collectives differ").
+a finding ("collectives differ"). A case may checkpoint (case["resume"] = k): after step k each
+lesson saves, is built again from other weights and loads (lessonkit/checkpoint.py, as --resume),
+which must bring back every tensor it saved bit for bit ("resumed"), and trains on.
 
 Cost: starting ranks is most of it, so one launch of `world` ranks runs several cases
 (FUZZ_BATCH, default 4), each case's reference and runs inside it. Each run gets a process
@@ -53,12 +55,12 @@ import hypothesis  # noqa: E402
 
 from scripts.perf import ring_collectives  # noqa: E402
 from scripts.runs import FP16_LESSONS, Parser  # noqa: E402
-from lessonkit import optimizers  # noqa: E402
+from lessonkit import checkpoint, optimizers, reshard  # noqa: E402
 from lessonkit.loss_scale import LossScaler  # noqa: E402
 from stream_semantics import StreamSemantics, first_difference  # noqa: E402
 from fuzz_models import global_batch, make_model, micro_batches, routing_slots  # noqa: E402
 import harness  # noqa: E402
-from lessons import FSDP2_REDUCES_UNUSED, Scaled, adamw, build, replicated_optimizer  # noqa: E402
+from lessons import FSDP2_REDUCES_UNUSED, Scaled, adamw, build, handles, replicated_optimizer  # noqa: E402
 from tolerances import (FUZZ_BF16_ADAM_EPS, FUZZ_BF16_LOSS_ATOL, FUZZ_BF16_PYTORCH_SPREAD,  # noqa: E402
                         FUZZ_BF16_UPDATE_RTOL, FUZZ_FP16_ADAM_EPS, FUZZ_FP16_LOSS_ATOL, FUZZ_FP16_UPDATE_RTOL,
                         FUZZ_TOL)
@@ -141,8 +143,10 @@ SKIPS_AT = {2.0 ** 8: [], 2.0 ** 40: [0]}  # by the initial scale, the steps eve
 # by accum) and sum them in fp32, so they overflow later than a recipe that holds the step's
 # gradient in fp16 (one process; 01-04 and DDP, which round their sum into it; FSDP2, whose fp16
 # reduce-scatter pre-divides by only ~sqrt(N)): they may skip fewer of one process's steps, and
-# step there with a finite gradient. (Seed 20261131 drew one: 4 ranks, 3 micro-steps, one process
-# and FSDP2 skipped [1], 05-08 none.)
+# step there with a finite gradient, and from then on follow other weights, which may overflow at
+# a step one process did not skip (skipped_later). (Seed 20261131 drew one: 4 ranks, 3 micro-steps,
+# one process and FSDP2 skipped [1], 05-08 none; seed 20261212 one at 4 ranks, 2 micro-steps: one
+# process and FSDP2 skipped [1], 05 [2].)
 LATER = ("05", "06", "07", "08")
 
 
@@ -205,6 +209,11 @@ def cases(draw, world=None, fp16=True):
     # 06-08's units in chunks (drawn last, as above): every `chunk` consecutive blocks one unit,
     # gathered and reduced together (07's --chunk-mb), against FSDP2's fully_shard([...]) of them
     case["chunk"] = draw(st.sampled_from((1, 2)))
+    # a checkpoint (drawn last, as above): after step k the lessons save, start again from other
+    # weights and load it (resumed); 0: none. Checkpoints hold AdamW's state (lessonkit/checkpoint.py):
+    # not drawn for SGD with momentum, whose buffers no lesson keeps
+    if steps > 1 and case["optimizer"] != "momentum":
+        case["resume"] = draw(st.integers(0, steps - 1))
     return case
 # Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2
 # shards each rank's own weights; tests/toy.py covers the lessons), a MixedPrecisionPolicy's
@@ -317,20 +326,30 @@ def reference(case):
             "skipped": scaler.skipped}
 
 
-def train(case, name, unused):
-    """In a process group: train `case` with `name` (a lesson or a counterpart) through
-    tests/lessons.py; losses (the global mean per step) and the full parameters."""
+def maker(case, name):
+    """make(seed, loss scaler) -> (model, trainer): `name` (a lesson or a counterpart) built through
+    tests/lessons.py for `case`, around its model with the weights `seed` gives."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     low = LOW.get(case["precision"])  # bf16, fp16; None in fp32
     sharded_fp32 = name in FSDP2 or name in ("06", "07", "08")  # fp32 shards, computing in 2 bytes by a policy
-    model = make_model(case["model"], case["seed"], dtype=None if sharded_fp32 else low)
     opt_class, opt_kwargs = optimizer(case)
     kw = dict(grad_clip=case["clip"], weight_decay=case["weight_decay"], bucket_mb=case["bucket_mb"],
               find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
               layout=case.get("layout", "even") if case.get("collectives", "torch") == "torch" else "even",
-              shard_group=case.get("shard_group"), loss_scaler=loss_scaler(name, case), chunk=case.get("chunk", 1))
+              shard_group=case.get("shard_group"), chunk=case.get("chunk", 1))
     if sharded_fp32 and low is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low)  # as 06's main()
+
+    def make(seed, scaler):
+        module = make_model(case["model"], seed, dtype=None if sharded_fp32 else low)
+        return module, build(name, module, **{**kw, "loss_scaler": scaler})
+    return make
+
+
+def train(case, name, unused, checkpoint_dir):
+    """In a process group: train `case` with `name` (a lesson or a counterpart); losses (the
+    global mean per step) and the full parameters. A lesson resumes from a checkpoint in
+    checkpoint_dir after step case["resume"] (resumed)."""
     # --collectives ring for the lessons (not the counterparts: FSDP2 calls dist's functions too)
     ring_collectives.use(case.get("collectives", "torch") if name in LESSONS else "torch")
     # the lessons under NCCL's stream semantics (tests/stream_semantics.py: an output is NaN until
@@ -338,15 +357,18 @@ def train(case, name, unused):
     # to the same collectives in the same order, whatever its data did
     semantics = StreamSemantics() if name in LESSONS else None
     with semantics or contextlib.nullcontext():
-        result = train_steps(case, name, build(name, model, **kw), model, unused)
+        result = train_steps(case, name, maker(case, name), unused, checkpoint_dir)
     ring_collectives.use("torch")
     return {**result, "order": semantics.order} if semantics else result
 
 
-def train_steps(case, name, trainer, model, unused):
-    """The case's steps with `trainer` built (train): losses, parameters, the steps skipped."""
+def train_steps(case, name, make, unused, checkpoint_dir):
+    """The case's steps with the trainer make() builds (train): losses, parameters, the steps
+    skipped, and for a resumed lesson why the state it loaded is not the state it saved (or None)."""
     rank, low = dist.get_rank(), LOW.get(case["precision"])
     sharded_fp32 = name in FSDP2 or name in ("06", "07", "08")
+    model, trainer = make(case["seed"], loss_scaler(name, case))
+    resumed_why = {}
     step_no = [0]
     if name in FSDP2:  # a parameter no rank reached: FSDP2 gave it zeros, DDP leaves it None
         step = trainer.opt.step
@@ -360,15 +382,51 @@ def train_steps(case, name, trainer, model, unused):
     losses = []
     for s in range(case["steps"]):
         step_no[0] = s
+        if s and s == case.get("resume") and name in LESSONS:
+            model, trainer, resumed_why["resumed"] = resumed(case, name, make, trainer, checkpoint_dir, s)
         loss = torch.tensor(trainer.train_step(micro_batches(case, s, rank)))
         dist.all_reduce(loss)
         losses.append(loss.item() / case["world"])
     skipped = trainer.scaler.skipped  # fp16: the steps its loss scaler skipped
     if name in LESSONS[:3] + ("ddp",):  # the optimizer's fp32 master weights, as the reference's
         return {"losses": losses, **held_weights(model, trainer.opt, trainer.full_parameters().items()),
-                "skipped": skipped}
+                "skipped": skipped, **resumed_why}
     masters = set() if low is not None and not sharded_fp32 else None  # 04, 05: 2-byte parameters only
-    return {"losses": losses, "params": trainer.full_parameters(), "masters": masters, "skipped": skipped}
+    return {"losses": losses, "params": trainer.full_parameters(), "masters": masters, "skipped": skipped,
+            **resumed_why}
+
+
+def resumed(case, name, make, trainer, checkpoint_dir, step):
+    """A lesson's checkpoint after `step` steps, loaded as --resume does into the run built anew
+    from other weights: (model, trainer, why what it holds now is not what it saved, or None).
+    Every tensor checkpoint.py sees must come back bit for bit, the loss scaler's state too; the
+    steps after it are then held to one process's like any run's."""
+    path = os.path.join(checkpoint_dir, f"step_{step:06d}")
+    before = held_state(*handles(name, trainer))
+    checkpoint.save(path, step, *handles(name, trainer), {"strategy": name})
+    scaler = loss_scaler(name, case)  # (fp16; else None) its state saved in meta.json by Checkpointer
+    if scaler is not None:
+        scaler.load_state_dict(json.loads(json.dumps(trainer.scaler.scaler.state_dict())))
+    model, new = make(case["seed"] + 1, scaler)
+    new.scaler.skipped, new.scaler.steps = trainer.scaler.skipped, trainer.scaler.steps  # (the loop's record)
+    checkpoint.load(path, *handles(name, new))
+    after = held_state(*handles(name, new))
+    differ = [i for i, (a, b) in enumerate(zip(before, after)) if a[0] != b[0] or not torch.equal(a[1], b[1])]
+    why = (f"{len(after)} tensors after loading, {len(before)} saved" if len(before) != len(after) else
+           f"{after[differ[0]][0]} is not what was saved" if differ else None)
+    return model, new, why
+
+
+def held_state(module, holder):
+    """[(what, tensor)]: every tensor a strategy shows checkpoint.py (its shards of parameters and
+    master weights, its optimizer's state of each), copied, in the shards' order."""
+    out = []
+    for i, s in enumerate(reshard.shards(module, holder)):
+        out += [(f"shard {i} {kind}", t.detach().clone()) for kind, (_, t) in s.tensors.items()]
+        master = reshard.master_of(s)
+        state = s.optim.state.get(master[1], {}) if master is not None else {}
+        out += [(f"shard {i} {kind}", v.detach().clone()) for kind, v in sorted(state.items()) if torch.is_tensor(v)]
+    return out
 
 
 def held_weights(model, opt, named):
@@ -414,7 +472,7 @@ def run_cases(rank, world, port, cases, lessons, timeout_s, out_dir, skip):
                 f.write(f"{c} {name}")
             try:
                 with process_group(store, f"{c}/{name}", timeout_s):
-                    results[name] = train(case, name, ref["unused"])
+                    results[name] = train(case, name, ref["unused"], os.path.join(out_dir, f"case{c}_{name}"))
             except Exception:
                 results[name] = {"error": traceback.format_exc(limit=-6)}
         results["seconds"] = time.monotonic() - start
@@ -603,6 +661,9 @@ def findings(case, ranks, lessons=LESSONS):
             if ranks[r][name].get("skipped") != ranks[0][name].get("skipped"):
                 out.append((name, "replicas differ", f"rank {r} skipped steps {ranks[r][name]['skipped']}, "
                                                      f"rank 0 {ranks[0][name]['skipped']}"))
+        resumed_wrong = [(r, rk[name]["resumed"]) for r, rk in enumerate(ranks) if rk[name].get("resumed")]
+        if resumed_wrong:  # (each rank checked what it holds)
+            out.append((name, "resumed", "rank {}: {}".format(*resumed_wrong[0])))
         # fp16: runs are held to runs that skipped the same steps (SKIPS says why), one process included
         if skipped.get(name) == skipped["reference"]:
             why = mismatch(ranks[0][name], ref, case, init, loss_atol)
@@ -620,7 +681,7 @@ def findings(case, ranks, lessons=LESSONS):
             # then the case sits at fp16's overflow for every recipe, SKIPS; seed 20261127 drew one
             # where one process skipped [0], FSDP2 [1] and 05, 05's counterpart within bounds at step 0, none)
             settled = ran_well and skipped.get(other) == skipped["reference"]
-            later = name in LATER and case["accum"] > 1 and set(skipped.get(name, ())) < set(skipped["reference"])
+            later = name in LATER and case["accum"] > 1 and skipped_later(skipped.get(name, []), skipped["reference"])
             if skipped.get(name) != skipped["reference"] and settled and not alike and not later:
                 out.append((name, "skipped steps", f"{skipped[name]}, where one process skipped "
                             f"{skipped['reference']} and {other} {skipped.get(other, '(did not run)')}"))
@@ -628,6 +689,13 @@ def findings(case, ranks, lessons=LESSONS):
             if why:  # LATER's: it stepped with finite numbers, on one process's run until then
                 out.append((name, "stepped later", why))
     return out
+
+
+def skipped_later(steps, reference):
+    """Whether a run's skipped steps first part from one process's at a step one process skipped
+    and the run did not (LATER: it stepped there; what it skipped after that follows its weights)."""
+    apart = sorted(set(steps) ^ set(reference))
+    return bool(apart) and apart[0] in reference
 
 
 def stepped_later(run, ref, skipped, name, loss_atol):
@@ -674,7 +742,8 @@ def describe(case):
             f"{', a frozen unit' if any(b['frozen'] == 'all' for b in m['blocks']) else ''}"
             f"{', checkpointed' if m.get('checkpoint') else ''}"
             f"{', 08 at G = ' + str(case['shard_group']) if case.get('shard_group') else ''}"
-            f"{', units in chunks of 2' if case.get('chunk', 1) > 1 else ''}")
+            f"{', units in chunks of 2' if case.get('chunk', 1) > 1 else ''}"
+            f"{', resumed after step ' + str(case['resume']) if case.get('resume') else ''}")
 
 
 def report(case, found, lessons=LESSONS):

@@ -3,10 +3,12 @@
 Every entry builds a trainer around a plain nn.Module whose forward(x, y) returns the loss:
     trainer.train_step(micro_batches) -> this rank's loss for the step (mean of micro-steps)
     trainer.full_parameters()         -> {name: full fp32 tensor}, identical on every rank
+    handles(lesson, trainer)          -> (module, holder): what checkpoint.save and load take
 (fp16: build's loss_scaler= puts a loss scaler in the loop, Scaled.) Tests use nothing else, so a lesson (or a student's version of it) plugs in here only. Which
 files: graded.load_lesson, from this checkout or from the student edition named by DP_LESSONS.
 """
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -190,6 +192,18 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
     if lesson == "fsdp2_noreshard":
         return _fsdp2_noreshard(module, grad_clip, lr, wd, scaler, **kw)
     raise KeyError(f"no adapter for lesson {lesson!r}")
+
+
+def handles(lesson, trainer):
+    """(module, holder): the plain model and what describes it to lessonkit/checkpoint.py, as each
+    lesson's main() gives its Checkpointer (01-08)."""
+    if lesson in ("06", "07", "08"):  # the lesson's function, of the model and the caller's optimizer
+        name = "08_hybrid" if lesson == "08" else "06_zero3"  # (07 saves as 06 does)
+        return trainer.model.module, functools.partial(load_lesson(name).checkpoint_shards, trainer.model, trainer.opt)
+    if lesson in ("04", "05"):  # the lesson's function, of its optimizer
+        name = {"04": "04_zero1", "05": "05_zero2"}[lesson]
+        return trainer.model, functools.partial(load_lesson(name).checkpoint_shards, trainer.opt)
+    return trainer.module, functools.partial(optimizers.checkpoint_shards, trainer.opt)  # 01-03: their optimizer's
 
 
 # ----------------------------------------------------------------------------- fully sharded (06, FSDP2)

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lessonkit import checkpoint, common, optimizers, reshard
-from graded import lesson_file, load_lesson
+from lessonkit import checkpoint, common, reshard
+from graded import lesson_file
 from harness import ROOT, reference, run_lesson, spawn
-from lessons import build
+from lessons import build, handles
 from model import GPT, get_batch
 from scripts.learn.consolidate import consolidate
 from toy import BATCH, make_toy, toy_batch
@@ -73,17 +73,6 @@ def refused(lesson, argv):
 
 
 # ----------------------------------------------------------------------------- the toy model
-def handles(lesson, trainer):
-    """(module, holder): the plain model and what describes it to checkpoint.py, as main() does."""
-    if lesson == "06":  # the lesson's function, of the model and the caller's optimizer
-        return trainer.model.module, functools.partial(load_lesson("06_zero3").checkpoint_shards, trainer.model,
-                                                       trainer.opt)
-    if lesson in ("04", "05"):  # the lesson's function, of its optimizer
-        name = {"04": "04_zero1", "05": "05_zero2"}[lesson]
-        return trainer.model, functools.partial(load_lesson(name).checkpoint_shards, trainer.opt)
-    return trainer.module, functools.partial(optimizers.checkpoint_shards, trainer.opt)  # 01: its optimizer's
-
-
 def optimizer_of(lesson, trainer):
     """The torch.optim optimizer whose state the checkpoint holds."""
     return trainer.opt.shard_optimizer.optim if lesson in ("04", "05") else trainer.opt
