@@ -61,8 +61,8 @@ from stream_semantics import StreamSemantics, first_difference  # noqa: E402
 from fuzz_models import global_batch, make_model, micro_batches, routing_slots  # noqa: E402
 import harness  # noqa: E402
 from lessons import FSDP2_REDUCES_UNUSED, Scaled, adamw, build, handles, replicated_optimizer  # noqa: E402
-from tolerances import (FUZZ_BF16_ADAM_EPS, FUZZ_BF16_LOSS_ATOL, FUZZ_BF16_PYTORCH_SPREAD,  # noqa: E402
-                        FUZZ_BF16_UPDATE_RTOL, FUZZ_FP16_ADAM_EPS, FUZZ_FP16_LOSS_ATOL, FUZZ_FP16_UPDATE_RTOL,
+from tolerances import (FUZZ_BF16_ADAM_EPS, FUZZ_BF16_FLOOR_ULPS, FUZZ_BF16_LOSS_ATOL,  # noqa: E402
+                        FUZZ_BF16_PYTORCH_SPREAD, FUZZ_BF16_UPDATE_RTOL, FUZZ_FP16_ADAM_EPS, FUZZ_FP16_LOSS_ATOL, FUZZ_FP16_UPDATE_RTOL,
                         FUZZ_TOL)
 
 LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08")
@@ -593,11 +593,15 @@ def mismatch(got, want, case, init, loss_atol=None):
     for n in w:
         both = all(r["masters"] is None or n in r["masters"] for r in (got, want))
         gn, wn, i0 = (g[n], w[n], init[n]) if both else (rounded(g[n], p), rounded(w[n], p), rounded(init[n], p))
-        # less one ulp per element: a rounding flip, or a difference the 2-byte weight cannot show
-        diff = ((gn - wn).abs() - ulp(rounded(wn, p), p)).clamp(min=0)
+        # less one ulp per element: a rounding flip, or a difference the 2-byte weight cannot show;
+        # within a share of the update; in bf16, or FUZZ_BF16_FLOOR_ULPS ulps if more (tolerances.py)
+        ulps = ulp(rounded(wn, p), p)
+        diff = ((gn - wn).abs() - ulps).clamp(min=0)
+        floor = FUZZ_BF16_FLOOR_ULPS * ulps.norm().item() if p == "bf16" else 0.0
         update, error = (wn - i0).norm().item(), diff.norm().item()
-        if not error <= update_rtol * update + FUZZ_TOL["atol"]:  # (a NaN or an inf fails)
-            return (f"{n}: |diff| {error:.3g}, the update {update:.3g} "
+        if not error <= max(update_rtol * update, floor) + FUZZ_TOL["atol"]:  # (a NaN or an inf fails)
+            shown = f", {FUZZ_BF16_FLOOR_ULPS} ulps {floor:.3g}" if floor else ""
+            return (f"{n}: |diff| {error:.3g}, the update {update:.3g}{shown} "
                     f"(less one {p} ulp each, {'fp32 masters' if both else f'{p} working copies'})")
     return None
 

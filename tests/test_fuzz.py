@@ -98,3 +98,17 @@ def test_a_resume_that_does_not_bring_back_what_was_saved_is_a_finding(name, tmp
         assert whys["none"] is None, whys
         assert re.fullmatch(r"shard \d+ param is not what was saved", whys["param"]), whys
         assert whys["state"].endswith("saved") and "tensors after loading" in whys["state"], whys
+
+
+def test_a_tensor_moved_a_few_ulps_is_held_to_the_floor_and_one_moved_more_to_its_update():
+    """bf16: a tensor within FUZZ_BF16_UPDATE_RTOL of its update, or FUZZ_BF16_FLOOR_ULPS of its
+    ulps if more (tolerances.py). Seed 20261213's (1,)-bias: one process moved it 5 ulps, DDP ended 4
+    away; a (2,)-weight whose whole update a run lost is still a finding."""
+    import torch
+    init = {"b": torch.tensor([-0.0316847562789917]), "w": torch.tensor([0.5, -0.25])}
+    want = {"losses": [2.0], "params": {"b": torch.tensor([-0.0310744047164917]), "w": torch.tensor([0.52, -0.23])},
+            "masters": None}  # (None: every tensor an fp32 master weight)
+    ddp = {**want, "params": {**want["params"], "b": torch.tensor([-0.0315626859664917])}}
+    assert fuzz.mismatch(ddp, want, {"precision": "bf16"}, init) is None
+    lost = {**want, "params": {**want["params"], "w": init["w"]}}
+    assert fuzz.mismatch(lost, want, {"precision": "bf16"}, init).startswith("w: |diff| 0.0249, the update 0.0283, 4 ulps 0.0161")

@@ -101,6 +101,16 @@ FUZZ_BF16_ADAM_EPS = 1e-3
 #   update or more: an update lost (no fp32 master weights: a step below one bf16 ulp is rounded
 #   away), the sum of N ranks' gradients with SGD (N - 1 updates), a stale shard.
 FUZZ_BF16_UPDATE_RTOL = 0.5
+# - ... or FUZZ_BF16_FLOOR_ULPS bf16 ulps of the tensor, if more (2-norms of fuzz.ulp). A bf16
+#   gradient rounds at the scale of its largest partial sums (tokens, micro-steps, ranks; with
+#   SGD, the weight decay its step nets against), not of the net step, so a tensor whose update is
+#   a few ulps of its weights is moved by rounding as far as by the step. Seed 20261213 drew one:
+#   a (1,)-bias moved 5 ulps (SGD, lr 0.5, weight decay 0.1), and DDP ended 4 ulps from one
+#   process (3 less the ulp above: 60% of the update), FSDP2 and 06-08 3, 01-05 2. A bug's whole
+#   update or factor N still shows on the case's other tensors, and in its losses. fp16: none (its
+#   runs measured within 0.13% of the update, below; 4 fp16 ulps hid 01 made to sum its ranks'
+#   gradients instead of averaging them, off by 10% of an update with AdamW, seed 99).
+FUZZ_BF16_FLOOR_ULPS = 4
 # - bf16 losses (fp32 cross-entropy of bf16 logits, averaged over ranks): measured <= 0.016
 #   apart (0.007 for all but one case); 0.05 leaves 3x margin. A micro-step's gradient lost or a
 #   factor N in SGD's step moves the next loss by 0.05 to 0.5 on these models (seen on lessons
