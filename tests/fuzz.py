@@ -23,7 +23,7 @@ reference knows which), as DDP's None: so every run has one semantics, the desig
 lesson runs under tests/stream_semantics.py, the CPU stand-in for NCCL's stream semantics: an
 output read before its wait(), or an input changed before it, fails the run, and ranks that
 issued different collectives, or the same in another order over all their process groups, are
-a finding ("collectives differ"). A case may checkpoint (case["resume"] = k): after step k each
+a finding ("collectives differ"). A case may checkpoint (case["resume"] = k): after k steps each
 lesson saves, is built again from other weights and loads (lessonkit/checkpoint.py, as --resume),
 which must bring back every tensor it saved bit for bit ("resumed"), and trains on.
 
@@ -62,8 +62,8 @@ from fuzz_models import global_batch, make_model, micro_batches, routing_slots  
 import harness  # noqa: E402
 from lessons import FSDP2_REDUCES_UNUSED, Scaled, adamw, build, handles, replicated_optimizer  # noqa: E402
 from tolerances import (FUZZ_BF16_ADAM_EPS, FUZZ_BF16_FLOOR_ULPS, FUZZ_BF16_LOSS_ATOL,  # noqa: E402
-                        FUZZ_BF16_PYTORCH_SPREAD, FUZZ_BF16_UPDATE_RTOL, FUZZ_FP16_ADAM_EPS, FUZZ_FP16_LOSS_ATOL, FUZZ_FP16_UPDATE_RTOL,
-                        FUZZ_TOL)
+                        FUZZ_BF16_PYTORCH_SPREAD, FUZZ_BF16_UPDATE_RTOL, FUZZ_FP16_ADAM_EPS,
+                        FUZZ_FP16_LOSS_ATOL, FUZZ_FP16_UPDATE_RTOL, FUZZ_TOL)
 
 LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08")
 # the lessons an fp16 case runs: those that take --precision fp16 (scripts/runs.FP16_LESSONS: all;
@@ -209,8 +209,8 @@ def cases(draw, world=None, fp16=True):
     # 06-08's units in chunks (drawn last, as above): every `chunk` consecutive blocks one unit,
     # gathered and reduced together (07's --chunk-mb), against FSDP2's fully_shard([...]) of them
     case["chunk"] = draw(st.sampled_from((1, 2)))
-    # a checkpoint (drawn last, as above): after step k the lessons save, start again from other
-    # weights and load it (resumed); 0: none. Checkpoints hold AdamW's state (lessonkit/checkpoint.py):
+    # a checkpoint (drawn last, as above): after k steps the lessons save, start again from other
+    # weights, load it and go on at step k (resumed); 0: none. Checkpoints hold AdamW's state (lessonkit/checkpoint.py):
     # not drawn for SGD with momentum, whose buffers no lesson keeps
     if steps > 1 and case["optimizer"] != "momentum":
         case["resume"] = draw(st.integers(0, steps - 1))
@@ -703,9 +703,9 @@ def skipped_later(steps, reference):
 
 
 def stepped_later(run, ref, skipped, name, loss_atol):
-    """Why a LATER run (05-08, fewer steps skipped than one process) is wrong, or None: every
-    loss and parameter finite, and the losses one process's (within loss_atol) up to and at the
-    first step it skipped alone (the same parameters until then)."""
+    """Why a LATER run (05-08, skipped_later) is wrong, or None: every loss and parameter finite,
+    and the losses one process's (within loss_atol) up to and at the first step it stepped where
+    one process skipped (the same parameters until then)."""
     if not all(math.isfinite(l) for l in run["losses"]) or not all(p.isfinite().all() for p in run["params"].values()):
         return "a loss or a parameter is not finite"
     first = min(set(skipped["reference"]) - set(skipped[name]))
@@ -747,7 +747,7 @@ def describe(case):
             f"{', checkpointed' if m.get('checkpoint') else ''}"
             f"{', 08 at G = ' + str(case['shard_group']) if case.get('shard_group') else ''}"
             f"{', units in chunks of 2' if case.get('chunk', 1) > 1 else ''}"
-            f"{', resumed after step ' + str(case['resume']) if case.get('resume') else ''}")
+            f"{', resumed at step ' + str(case['resume']) if case.get('resume') else ''}")
 
 
 def report(case, found, lessons=LESSONS):
