@@ -402,15 +402,17 @@ def resumed(case, name, make, trainer, checkpoint_dir, step):
     Every tensor checkpoint.py sees must come back bit for bit, the loss scaler's state too; the
     steps after it are then held to one process's like any run's."""
     path = os.path.join(checkpoint_dir, f"step_{step:06d}")
-    before = held_state(*handles(name, trainer))
-    checkpoint.save(path, step, *handles(name, trainer), {"strategy": name})
+    saved = handles(name, trainer)
+    before = held_state(*saved)
+    checkpoint.save(path, step, *saved, {"strategy": name})
     scaler = loss_scaler(name, case)  # (fp16; else None) its state saved in meta.json by Checkpointer
     if scaler is not None:
         scaler.load_state_dict(json.loads(json.dumps(trainer.scaler.scaler.state_dict())))
     model, new = make(case["seed"] + 1, scaler)
     new.scaler.skipped, new.scaler.steps = trainer.scaler.skipped, trainer.scaler.steps  # (the loop's record)
-    checkpoint.load(path, *handles(name, new))
-    after = held_state(*handles(name, new))
+    loaded = handles(name, new)
+    checkpoint.load(path, *loaded)
+    after = held_state(*loaded)
     differ = [i for i, (a, b) in enumerate(zip(before, after)) if a[0] != b[0] or not torch.equal(a[1], b[1])]
     why = (f"{len(after)} tensors after loading, {len(before)} saved" if len(before) != len(after) else
            f"{after[differ[0]][0]} is not what was saved" if differ else None)
