@@ -63,7 +63,6 @@ PyTorch: FSDP2 `fully_shard(block, mesh=init_device_mesh(device, (R, G), mesh_di
 """
 import functools
 import importlib
-import os
 from datetime import timedelta
 
 import torch
@@ -154,7 +153,7 @@ def build_model(args, env, groups):
 def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
-    node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))  # torchrun's ranks per node: G's default
+    node = lifecycle.env_int("LOCAL_WORLD_SIZE", 0)  # torchrun's ranks per node: G's default
     args.shard_group = args.shard_group or (node if node and env.world_size % node == 0 else env.world_size)
     groups = hybrid_groups(args.shard_group, args.timeout)  # the R x G grid
     model = build_model(args, env, groups)

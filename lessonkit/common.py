@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lessonkit import loss_scale
-from lessonkit.lifecycle import WATCHDOG_S, fail, restart_advice, say, start_heartbeat
+from lessonkit.lifecycle import WATCHDOG_S, env_int, fail, launched_world, restart_advice, say, start_heartbeat
 from model import GPT, GPTConfig
 from scripts.perf import ring_collectives
 
@@ -89,7 +89,7 @@ def build_parser(description=""):
 
 def parse_args(argv=None, description=""):
     parser = build_parser(description)
-    args, world = parser.parse_args(argv), int(os.environ.get("WORLD_SIZE", "1"))
+    args, world = parser.parse_args(argv), launched_world()
     lesson = description[7:9] if description.startswith("Lesson ") else ""  # "Lesson 07: ..."
     # a flag this lesson would ignore is refused (knobs pass); 00 trains nothing: it takes the GPT's shape, --seed, --link, run flags
     trains, a = "01 02 03 04 05 06 07 08", args
@@ -112,6 +112,8 @@ def parse_args(argv=None, description=""):
         fail("--lr and --bucket-mb must be positive, --timeout 1 to 86400 seconds, --grad-clip non-negative (finite numbers: not nan or inf)")
     if args.loss_scale is not None and args.precision != "fp16":
         fail(f"--loss-scale {args.loss_scale:g}: only fp16 scales its loss (use it with --precision fp16)")
+    for flag in (f for f in ("report", "trace", "checkpoint_dir") if getattr(args, f) == ""):  # (once ignored: nothing written)
+        fail(f"--{flag.replace('_', '-')} '': give a path")
     if bool(args.resume or args.save_every) != bool(args.checkpoint_dir):  # each needs the other
         fail(f"--checkpoint-dir {args.checkpoint_dir} alone saves and resumes nothing: add --save-every K (and --resume or "
              "--resume auto to continue from it)" if args.checkpoint_dir else "--resume and --save-every need --checkpoint-dir DIR")
@@ -154,9 +156,8 @@ def parse_args(argv=None, description=""):
 
 # ----------------------------------------------------------------------------- processes
 def choose_device(requested, ranks_here, gpus):
-    """The device type for `--device requested` with `ranks_here` ranks on this node and `gpus` CUDA GPUs
-    visible: ("cuda" or "cpu", why auto chose the CPU or None). NCCL wants one GPU per rank, so `auto`
-    takes CUDA only when every local rank gets its own; an explicit `cuda` that cannot, ValueError."""
+    """("cuda" or "cpu", why auto chose the CPU or None) for `--device requested`, `ranks_here` ranks on this node, `gpus`
+    GPUs. NCCL wants a GPU per rank: `auto` takes CUDA only when every local rank has one; a `cuda` that cannot, ValueError."""
     if requested == "cpu":
         return "cpu", None
     if gpus >= max(ranks_here, 1):
@@ -185,20 +186,19 @@ def init_distributed(args) -> Dist:
     (cuda:LOCAL_RANK; choose_device), or in a group that exists (a test harness, sweep.py) its backend's device.
     The timeout makes a lost rank fail the others instead of hanging them. Sets args.device to what it chose."""
     timeout = timedelta(seconds=args.timeout)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = env_int("LOCAL_RANK", 0)
     ring = args.collectives == "ring"
     if dist.is_initialized():
         kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
     else:
         try:
-            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's; 1 for plain `python`
+            ranks_here = env_int("LOCAL_WORLD_SIZE", 1)  # torchrun's; 1 for plain `python`
             kind, why = choose_device("cpu" if ring else args.device, ranks_here, torch.cuda.device_count())
         except ValueError as e:
             fail(str(e))
-        if why and int(os.environ.get("RANK", "0")) == 0:
-            say(f"device: cpu, as --device auto found {why}")
-        if restart_advice() and int(os.environ.get("RANK", "0")) == 0:  # (under torchrun --max-restarts)
-            say(restart_advice())
+        for line in (why and f"device: cpu, as --device auto found {why}", restart_advice()):  # (advice: --max-restarts)
+            if line and env_int("RANK", 0) == 0:
+                say(line)
     if ring and "cuda" in (args.device, kind):  # (kind: a group made elsewhere on nccl)
         fail("--collectives ring sends over gloo on the CPU (--device cpu); on CUDA, NCCL's collectives are the wire")
     device, backend = (torch.device("cuda", local_rank), "nccl") if kind == "cuda" else (torch.device("cpu"), "gloo")

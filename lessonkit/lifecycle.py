@@ -25,13 +25,35 @@ def say(line):
 
 def fail(message, code=2):
     """A clear one-line error from rank 0 and a non-zero exit from every rank."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank, world = (os.environ.get(n, d) for n, d in (("RANK", "0"), ("WORLD_SIZE", "1")))
+    if not (rank.isdecimal() and world.isdecimal()) or not 0 < int(rank) < int(world):  # rank 0, or one env_int refuses
         say(f"error: {message}")
     else:  # let rank 0 speak first: torchrun stops the other ranks as soon as one exits, and
         # then this rank has nothing to add (rank 0 said what was wrong)
         signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
         time.sleep(2)
     exit_process(code)
+
+
+def env_int(name, default):
+    """torchrun's RANK, WORLD_SIZE, LOCAL_RANK or LOCAL_WORLD_SIZE as a number, `default` where unset.
+    Garbled (a shell's leftover, a typo) it once ended in int()'s "invalid literal for int()"."""
+    value = os.environ.get(name, str(default))
+    if not value.isdecimal() or int(value) < (name == "WORLD_SIZE"):
+        fail(f"{name}={value!r} in the environment is not a {'count of ranks' if 'SIZE' in name else 'rank'}: "
+             "torchrun sets it (unset it to run one process)")
+    return int(value)
+
+
+def launched_world():
+    """torchrun's WORLD_SIZE, 1 for plain `python`; its four variables checked first. One WORLD_SIZE left
+    in a shell, without RANK, once went unnoticed: the process trained alone, checked against another world."""
+    world, rank, _, _ = (env_int(n, d) for n, d in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
+    if world > 1 and "RANK" not in os.environ:
+        fail(f"WORLD_SIZE={world} but no RANK: start the ranks with torchrun --nproc_per_node={world}, or unset WORLD_SIZE")
+    if rank >= world:
+        fail(f"RANK={rank} in the environment is not below WORLD_SIZE={world}: torchrun sets both (unset them to run one process)")
+    return world
 
 
 def restart_advice():

@@ -16,10 +16,11 @@ from scripts.runs import LESSONS
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
 
 
-def run_all(commands, timeout=120):
-    """Start the commands together (each pays ~3 s of `import torch`), return (code, stderr)."""
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for cmd in commands]
+def run_all(commands, timeout=120, envs=()):
+    """Start the commands together (each pays ~3 s of `import torch`), return (code, stderr).
+    envs: variables added to the environment of the first commands, one dict each."""
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(ENV, **extra), text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for cmd, extra in zip(commands, [*envs, *[{}] * len(commands)])]
     return [(p.wait(timeout), p.communicate()[1]) for p in procs]
 
 
@@ -80,6 +81,9 @@ BAD = [
     (["--report", os.path.dirname(__file__)], f"--report {os.path.dirname(__file__)} is a directory: give the path"),
     (["--report", f"{__file__}/r.json"], f"--report {__file__}/r.json: its directory {__file__} is a file, not a directory"),
     (["--trace", __file__], f"--trace {__file__} is a file, not a directory"),
+    # (an empty path was once taken for none given: the run wrote no report, no trace, no checkpoint)
+    (["--report", ""], "--report '': give a path"), (["--trace", ""], "--trace '': give a path"),
+    (["--checkpoint-dir", "", "--save-every", "1"], "--checkpoint-dir '': give a path"),
     (["--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss (use it with --precision fp16)"),
     (["--precision", "bf16", "--loss-scale", "1024"], "--loss-scale 1024: only fp16 scales its loss"),
 ]
@@ -110,6 +114,28 @@ def test_bad_flags_one_line_nonzero_exit():
         assert code == 2, err
         lines = [l for l in err.splitlines() if l.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], err
+
+
+# torchrun's variables, garbled or without torchrun: each once ended otherwise (in brackets)
+TORCHRUN_ENV = [
+    # (trained alone at world 1, its batch checked against world 2)
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but no RANK: start the ranks with torchrun --nproc_per_node=2, or unset WORLD_SIZE"),
+    # (int()'s "invalid literal for int() with base 10: 'abc'")
+    ({"LOCAL_WORLD_SIZE": "abc"}, "LOCAL_WORLD_SIZE='abc' in the environment is not a count of ranks: torchrun sets it"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0' in the environment is not a count of ranks"),  # (ZeroDivisionError)
+    ({"WORLD_SIZE": "\u00b2"}, "WORLD_SIZE='\u00b2' in the environment is not a count of ranks"),  # (a digit to isdigit(), not to int())
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' in the environment is not a rank"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK='-1' in the environment is not a rank"),
+    # (no line: a rank other than 0 leaves the saying to rank 0, which does not exist here)
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 in the environment is not below WORLD_SIZE=2: torchrun sets both"),
+]
+
+
+def test_torchruns_variables_garbled_or_alone_are_one_line():
+    commands = [[sys.executable, lesson_file("01_vanilla_dp"), "--steps", "1"] for _ in TORCHRUN_ENV]
+    for (code, err), (env, msg) in zip(run_all(commands, envs=[env for env, _ in TORCHRUN_ENV]), TORCHRUN_ENV):
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], (env, err)
 
 
 def test_a_run_whose_loss_is_not_finite_exits_1_with_one_line():

@@ -1,5 +1,6 @@
 """--trace and the overlap line: observed from outside the lessons (comm_meter.py), so checked here
 on real runs of 01 (blocking all-reduces) and 03 (small buckets, async)."""
+import atexit
 import contextlib
 import copy
 import functools
@@ -7,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -35,6 +37,7 @@ def suite(trace_dir):
 @functools.lru_cache(maxsize=None)
 def results():
     trace_dir = tempfile.mkdtemp(prefix="trace_")
+    atexit.register(shutil.rmtree, trace_dir, True)  # (in this process: the ranks import this file too)
     return trace_dir, spawn(2, suite, trace_dir)[0]
 
 
@@ -58,8 +61,8 @@ def without_matplotlib(trace_dir):
     return out.getvalue()
 
 
-def test_without_matplotlib_the_traces_are_written_and_the_timeline_skipped_in_one_line():
-    trace_dir = tempfile.mkdtemp(prefix="trace_")
+def test_without_matplotlib_the_traces_are_written_and_the_timeline_skipped_in_one_line(tmp_path):
+    trace_dir = str(tmp_path)
     printed = spawn(1, without_matplotlib, trace_dir)[0]
     assert f"--trace: {trace_dir}/timeline.png not drawn: matplotlib is not installed (wrote {trace_dir}/trace_rank{{0..0}}" in printed
     assert os.listdir(trace_dir) == ["trace_rank0.json"]
