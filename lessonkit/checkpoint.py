@@ -1,8 +1,8 @@
 """Checkpoints that survive a crash and a change of world size, for every lesson (docs/checkpoints.md).
 
 Each rank writes what it owns as ranges [lo, hi) of ONE parameter's flat values, of one kind: "param"
-(its working dtype), "master" (bf16's, fp16's fp32 master weights) or AdamW's "exp_avg", "exp_avg_sq" (with
-its step count); loading fills whatever the NEW layout gives this rank (reshard.py). A strategy says
+(its working dtype), "master" (bf16's, fp16's fp32 master weights) or its optimizer's state (AdamW's "exp_avg",
+"exp_avg_sq" and step count, SGD's "momentum_buffer"); loading fills what the NEW layout gives this rank (reshard.py). A strategy says
 what it holds with `checkpoint_shards(names) -> [FlatShard, ...]`.
 """
 import glob
@@ -56,14 +56,14 @@ def save(path, step, module, holder, meta):
             if separate:
                 kinds["master"] = (start, master)
             state = s.optim.state.get(master, {})  # empty until the optimizer's first step
-            kinds.update({k: (start, v) for k, v in state.items()  # exp_avg, exp_avg_sq
+            kinds.update({k: (start, v) for k, v in state.items()  # exp_avg, exp_avg_sq; SGD's momentum_buffer
                           if k != "step" and torch.is_tensor(v) and v.numel() == master.numel()})
         for kind, (start, t) in kinds.items():
             flat = t.detach().reshape(-1)
             a, b = max(start, s.owned[0]), min(start + flat.numel(), s.owned[1])  # what I own of t
             for name, lo, hi, at in reshard.parts(s.params, a, b):
                 entries.append(dict(name=name, kind=kind, lo=lo, hi=hi,
-                                    step=state["step"].cpu() if kind in state else None,  # AdamW's count
+                                    step=state["step"].cpu() if kind in state and "step" in state else None,  # AdamW's
                                     # a copy: saving a view would save its whole storage
                                     data=flat[at - start:at - start + hi - lo].to("cpu", copy=True)))
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
@@ -113,7 +113,7 @@ def _prune(root):
 def read(path, check=None):
     """meta.json (first passed to check(meta), which may refuse it) and every rank's entries,
     validated: each parameter's ranges of each kind must cover its elements exactly once.
-    Returns (meta, {(name, kind): [(lo, hi, data)]}, {name: AdamW step count})."""
+    Returns (meta, {(name, kind): [(lo, hi, data)]}, {name: AdamW's step count; SGD keeps none})."""
     if not os.path.exists(os.path.join(path, "COMPLETE")):
         raise CheckpointError(f"{path} has no COMPLETE marker: an interrupted save, not a checkpoint")
     try:

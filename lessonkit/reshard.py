@@ -121,9 +121,9 @@ def stage(shards, index, steps):
         if not kinds:  # never stepped: 01-03's parameter that has had no gradient yet
             states.append((s.optim, master, None))
             continue
-        # AdamW counts steps per tensor (a shard of padding only takes any parameter's count)
-        state = {"step": ([steps[n] for n in names if n in steps] or list(steps.values()))[0].clone()}
-        for kind in kinds:  # exp_avg, exp_avg_sq: created here as torch creates them, lazily
+        # AdamW counts steps per tensor (a shard of padding only takes any parameter's count); SGD does not
+        state = {"step": ([steps[n] for n in names if n in steps] or list(steps.values()))[0].clone()} if steps else {}
+        for kind in kinds:  # exp_avg, exp_avg_sq, momentum_buffer: created here as torch creates them, lazily
             state[kind] = _fill(master, start, s.params, index, lambda n: kind)
         states.append((s.optim, master, state))
     return copies, states

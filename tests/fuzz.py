@@ -210,9 +210,9 @@ def cases(draw, world=None, fp16=True):
     # gathered and reduced together (07's --chunk-mb), against FSDP2's fully_shard([...]) of them
     case["chunk"] = draw(st.sampled_from((1, 2)))
     # a checkpoint (drawn last, as above): after k steps the lessons save, start again from other
-    # weights, load it and go on at step k (resumed); 0: none. Checkpoints hold AdamW's state (lessonkit/checkpoint.py):
-    # not drawn for SGD with momentum, whose buffers no lesson keeps
-    if steps > 1 and case["optimizer"] != "momentum":
+    # weights, load it and go on at step k (resumed); 0: none. Every optimizer's state: AdamW's moments and
+    # step, SGD's momentum buffers (lessonkit/checkpoint.py; once AdamW's only: SGD's momentum ended in KeyError)
+    if steps > 1:
         case["resume"] = draw(st.integers(0, steps - 1))
     return case
 # Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2

@@ -37,6 +37,9 @@ PSI = 33_215
 SAVE = ["--save-every", "2"]
 BF16 = ["--precision", "bf16"]
 TOY_LESSONS = ["01", "04", "05", "06"]
+# any torch.optim optimizer's state is checkpointed: SGD's momentum buffers too (once AdamW's only:
+# saving SGD's ended in KeyError 'step', as it counts no steps)
+MOMENTUM = dict(optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(lr=0.5, momentum=0.9))
 HYBRID = "08_hybrid"
 
 
@@ -89,18 +92,19 @@ def toy_steps(trainer, steps):
     return losses
 
 
-def toy_resumed(lesson, path):
+def toy_resumed(lesson, path, **optimizer):
     """A ToyNet from other weights (its frozen layer too), loaded from `path`, steps 2 and 3."""
-    trainer = build(lesson, make_toy(seed=7))
+    trainer = build(lesson, make_toy(seed=7), **optimizer)
     torch.manual_seed(1234)  # another RNG state: the checkpoint must bring back the saved one
     checkpoint.load(path, *handles(lesson, trainer))
     rng = torch.rand(4)  # what this rank draws next (the lessons draw nothing; other code might)
     return {"losses": toy_steps(trainer, [2, 3]), "params": trainer.full_parameters(), "rng": rng}
 
 
-def toy_saved(lesson, root):
-    """ToyNet (tied, frozen, unused, 119 trainable elements): steps 0-1, save, steps 2-3."""
-    trainer = build(lesson, make_toy(seed=0))
+def toy_saved(lesson, root, **optimizer):
+    """ToyNet (tied, frozen, unused, 119 trainable elements): steps 0-1, save, steps 2-3. optimizer:
+    build's optimizer_class and optimizer_kwargs (default AdamW)."""
+    trainer = build(lesson, make_toy(seed=0), **optimizer)
     toy_steps(trainer, [0, 1])
     torch.manual_seed(100 + dist.get_rank())  # every rank its own RNG state, saved in its file
     checkpoint.save(step_dir(root, 2), 2, *handles(lesson, trainer), {"strategy": lesson})
@@ -145,7 +149,7 @@ def untouched_after_refusals(bad, good):
 
 # ----------------------------------------------------------------------------- the launches
 def suite_world2(root):
-    out = {"full": {}, "resumed": {}, "refused": {}, "toy": {}}
+    out = {"full": {}, "resumed": {}, "refused": {}, "toy": {}, "toy_momentum": {}}
     checkpoint.KEEP = 100  # keep steps 2, 4 and 6: the other launches resume from 2 and 4
     for lesson in LESSONS:
         out["full"][lesson] = run_lesson(lesson, ARGV + SAVE + ["--checkpoint-dir", f"{root}/{lesson}/full"])
@@ -200,6 +204,8 @@ def suite_world2(root):
     for lesson in TOY_LESSONS:
         out["toy"][lesson] = {"saved": toy_saved(lesson, f"{root}/toy/{lesson}"),
                               "resumed": toy_resumed(lesson, step_dir(f"{root}/toy/{lesson}", 2))}
+        out["toy_momentum"][lesson] = {"saved": toy_saved(lesson, f"{root}/toy_momentum/{lesson}", **MOMENTUM),
+                                       "resumed": toy_resumed(lesson, step_dir(f"{root}/toy_momentum/{lesson}", 2), **MOMENTUM)}
 
     # refused by read() (the first four), or after it, by load() comparing shapes (other_model:
     # a sound checkpoint of the toy model): either way before any tensor is touched
@@ -220,6 +226,8 @@ def suite_resume(root, src, step, tag, lessons, save=False, toy=False, hybrid=No
         out[lesson] = resume(lesson, f"{root}/{lesson}/{tag}", SAVE if save else ())
     if toy:
         out["toy"] = {lesson: toy_resumed(lesson, step_dir(f"{root}/toy/{lesson}", 2)) for lesson in TOY_LESSONS}
+        out["toy_momentum"] = {lesson: toy_resumed(lesson, step_dir(f"{root}/toy_momentum/{lesson}", 2), **MOMENTUM)
+                               for lesson in TOY_LESSONS}
     if hybrid:
         out["08"] = hybrid(root)
     if chunks:  # saved a unit per block, loaded into one chunk of every block (--chunk-mb)
@@ -481,6 +489,19 @@ def test_toy_tied_frozen_and_unused_parameters_round_trip(root):
     for out in world4(root):
         for lesson in TOY_LESSONS:
             close(out["toy"][lesson], world2(root)[0]["toy"][lesson]["saved"])
+
+
+def test_sgds_momentum_buffers_round_trip_and_reshard(root):
+    for out in world2(root):  # the same world size: bit for bit
+        for lesson in TOY_LESSONS:
+            identical(out["toy_momentum"][lesson]["resumed"], out["toy_momentum"][lesson]["saved"])
+    for out in world4(root):  # resharded, padded
+        for lesson in TOY_LESSONS:
+            close(out["toy_momentum"][lesson], world2(root)[0]["toy_momentum"][lesson]["saved"])
+    for lesson in TOY_LESSONS:  # what the files hold: the buffers, no step count
+        saved = torch.load(os.path.join(step_dir(f"{root}/toy_momentum/{lesson}", 2), "rank0.pt"), weights_only=False)
+        assert {(e["kind"], e["step"]) for e in saved["entries"]} >= {("momentum_buffer", None)}, lesson
+        assert all(e["step"] is None for e in saved["entries"]), lesson
 
 
 def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
