@@ -16,11 +16,11 @@ from scripts.runs import LESSONS
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
 
 
-def run_all(commands, timeout=120, envs=()):
+def run_all(commands, timeout=120, envs=None):
     """Start the commands together (each pays ~3 s of `import torch`), return (code, stderr).
-    envs: variables added to the environment of the first commands, one dict each."""
+    envs: variables added to each command's environment, one dict per command."""
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(ENV, **extra), text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for cmd, extra in zip(commands, [*envs, *[{}] * len(commands)])]
+                              stderr=subprocess.PIPE) for cmd, extra in zip(commands, envs or [{}] * len(commands))]
     return [(p.wait(timeout), p.communicate()[1]) for p in procs]
 
 
