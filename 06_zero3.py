@@ -60,7 +60,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP2's own (param_dtype, reduce_dtype)
 
-from lessonkit import checkpoint, common, lifecycle, loss_scale, measure, optimizers
+from lessonkit import checkpoint, common, lifecycle, loss_scale, measure, optimizers, schedule
 from model import GPT, get_batch, init_parameters
 
 
@@ -165,6 +165,9 @@ class ZeRO3(nn.Module):
         self.module, self.prefetch = module, prefetch
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.shard_group = shard_group  # the collectives on parameters and gradients run over it
+        if dist.get_world_size(shard_group) * self._replicas() != self.world_size:  # else a gradient's sum is wrong
+            raise ValueError(f"{type(self).__name__}: shards over {dist.get_world_size(shard_group)} ranks x "
+                             f"{self._replicas()} replica(s) are not the world's {self.world_size} ranks")
         self.param_dtype = getattr(mp_policy, "param_dtype", None)
         self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or self.param_dtype
         slots = {}  # parameter -> every (module, attribute name) holding it
@@ -196,6 +199,11 @@ class ZeRO3(nn.Module):
             self.units.append(unit)
         self.shard_of = {p: s for u in self.units for p, s in zip(u.params, u.sharded)}
         self.grads_in_flight = []  # (unit, work, grad_shard): reduce-scatters not yet waited for
+        # the order forward calls the units in, learned (lessonkit/schedule.py); the unit forward
+        # is in, the one backward is in, the ones a recompute gathered
+        self.schedule = schedule.Schedule(range(1, len(self.units)))
+        self.current = self.open = None
+        self.recomputing = set()
         trainable = [p for u in self.units for p in u.trainable]
         self.used = optimizers.UsedParameters(trainable, self.units[0].shard.device) if find_unused_parameters else None
         hook = functools.partial
@@ -235,6 +243,9 @@ class ZeRO3(nn.Module):
             unit.gather_work = None
         # ### END SOLUTION
 
+    def _replicas(self):  # each shard's copies, on other ranks (08's replicate group; 06: none)
+        return 1
+
     def _place(self, unit):  # 06 cuts every unit evenly over all ranks (Unit's start, shard_numel)
         pass
 
@@ -252,44 +263,64 @@ class ZeRO3(nn.Module):
         unit.flat_param.untyped_storage().resize_(0)
         # ### END SOLUTION
 
-    def _prefetch(self, index):  # forward runs the root, 1, 2, ...; backward the root, ..., 2, 1
-        if self.prefetch and 0 < index < len(self.units):
+    def _prefetch(self, index):  # the schedule's next unit (None: nothing left)
+        if self.prefetch and index is not None:
             self._unshard(self.units[index], wait=False)  # overlaps with the current unit
 
-    def _pre_forward(self, unit, module, args):
-        if unit.index > 0:
-            self._forward_until(unit.index)
-        else:
-            self.next_unit = 1  # the next unit forward should reach (in backward: counting down)
-        self._unshard(unit)  # 1) all-gather (or wait for the prefetch issued one unit earlier)
-        self._prefetch(unit.index + 1)
+    def _catch_up(self, skipped, then, backward=False):
+        """Units in the schedule this rank's data skipped (a block routed around, a backward that
+        never reached one) are gathered, freed and, in backward, reduced all the same, as where
+        they ran; each prefetches its successor, as it would have. `then`: the unit after them."""
+        for index, after in zip(skipped, skipped[1:] + [then]):
+            unit = self.units[index]
+            self._unshard(unit)
+            self._prefetch(after)
+            self._reshard(unit)
+            if backward:
+                self._end_use(unit)
 
-    def _forward_until(self, index):
-        """Forward reaches unit `index`: those before it that this rank skipped (a block its data
-        routed around) are gathered and freed all the same, as where they ran."""
-        current = self.units[self.next_unit - 1]  # (of several modules: gathered until the last)
-        if index == current.index > 0 and current.flat_param.untyped_storage().size() > 0:
-            return  # the next module of the unit forward is in
-        if index < self.next_unit:
-            raise RuntimeError(f"ZeRO3: unit {index} ran twice or out of order: "
-                               "list the units in the order forward runs them, each once")
-        if current.index > 0:  # its last module, skipped here, did not free it
-            self._reshard(current)
-        for skipped in self.units[self.next_unit:index]:
-            self._unshard(skipped)
-            self._prefetch(skipped.index + 1)
-            self._reshard(skipped)
-        self.next_unit = index + 1
+    # ------------------------------------------------------------------ forward: 1) 2) 3)
+    def _pre_forward(self, unit, module, args):
+        if torch._C._current_graph_task_id() != -1:  # inside backward: a checkpoint's recompute
+            if unit.flat_param.untyped_storage().size() == 0:  # not in its own backward (the
+                self.recomputing.add(unit)  # checkpoint spans several units): an extra gather
+            self._unshard(unit)  # (FSDP2 skips its forward hooks here too)
+            return
+        if unit.index == 0:
+            self._start_forward()
+        elif unit is self.current:  # the next module of a unit of several
+            return
+        else:
+            self._close_forward()
+            self._catch_up(self.schedule.forward(unit.index), then=unit.index)
+        self.current = unit
+        self._unshard(unit)  # 1) all-gather (or wait for the prefetch issued one unit earlier)
+        self._prefetch(self.schedule.next_forward())
+
+    def _start_forward(self):  # (07 starts its uploads here)
+        self.schedule.start_forward()
+        self.current = None
+
+    def _close_forward(self):  # a unit of several modules whose last one this rank skipped
+        if self.current is not None and self.current.index > 0:
+            self._reshard(self.current)
+            self.current = None
 
     def _post_forward(self, unit, module, args, output):
+        if torch._C._current_graph_task_id() != -1:  # a recompute: free what it gathered
+            if unit in self.recomputing and module is unit.modules[-1]:
+                self.recomputing.discard(unit)
+                self._reshard(unit)
+            return
         # 3) free. The root too: its layers run first and last in forward, so it stays gathered
         # through forward, then, like every unit, is gathered again for backward: 3 Psi a step,
         # as in the paper. (FSDP2 keeps its root: a small unit, gathered once.)
         if module is not unit.modules[-1]:  # (a unit of several modules: freed after its last)
             return
         self._reshard(unit)
-        if unit.index == 0:  # forward is over, and so are the units after the last one run here
-            self._forward_until(len(self.units))
+        self.current = None
+        if unit.index == 0:  # forward is over: the units after the last one run here, too
+            self._catch_up(self.schedule.end_forward(), then=None)
             # the root's inputs are token ids, with no gradient to hook: hook its outputs'
             outputs = output if isinstance(output, (tuple, list)) else [output]
             outputs = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -297,42 +328,36 @@ class ZeRO3(nn.Module):
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grad: self._pre_backward(unit, module, grad), mode="any")
 
+    # ------------------------------------------------------------------ backward: 4) 5)
     def _pre_backward(self, unit, module, grad_output):
+        if unit is self.open:
+            return  # the next module of the unit backward is in
         if unit.index == 0:  # backward starts at the root: clean up once it is over
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward_final)
-            self.next_unit = len(self.units) - 1
-        elif unit.index == self.next_unit + 1:  # the next module of the unit backward is in
-            assert not unit.reduced, f"unit {unit.index}'s backward ran twice"
+            self.open = unit
         else:
-            self._backward_until(unit.index)
+            self._close_backward()
+            self._catch_up(self.schedule.backward(unit.index), then=unit.index, backward=True)
+            self.open = unit
         self._unshard(unit)  # 4) all-gather again: backward needs the weights forward used
-        self._prefetch(len(self.units) - 1 if unit.index == 0 else unit.index - 1)
+        self._prefetch(self.schedule.next_backward())
 
     def _post_backward(self, unit, module, grad_input, grad_output):
-        # Gradients w.r.t. the unit's inputs exist: its backward is over (autograd runs the
-        # parameters' gradient hooks first), 5) now. (If no input needs a gradient, torch calls
-        # this *before* the unit's backward: then 5) waits until backward moves on.)
-        if module is unit.modules[0] and any(g is not None for g in grad_input):  # (its last module)
-            self._finish_backward(unit)
+        # Gradients w.r.t. the unit's inputs exist: this call's backward is over (autograd runs
+        # the parameters' gradient hooks first). (If no input needs a gradient, torch calls this
+        # *before* the unit's backward: then the next unit's backward, or its end, closes it.)
+        if unit is self.open and module is unit.modules[0] and any(g is not None for g in grad_input):
+            self._close_backward()
 
-    def _backward_until(self, index):
-        """Backward reaches unit `index` (0: it is over). Autograd runs the units in reverse forward
-        order; each above `index` not yet reduced is finished here, in that order: gathered first
-        if this rank's backward never reached it (4), then 5), zeros where no gradient came."""
-        assert index <= self.next_unit, f"unit {index}'s backward ran twice or out of order"
-        for unit in self.units[:index:-1]:  # the units above `index`, top down
-            if unit.index <= self.next_unit:  # its backward did not start here: 4) all the same
-                self._unshard(unit)
-                self._prefetch(unit.index - 1)
-            self._finish_backward(unit)
-        self.next_unit = index - 1
-
-    def _finish_backward(self, unit):  # free its full parameters, then 5), once
-        if not unit.reduced:
+    def _close_backward(self):
+        if self.open is not None and self.open.index > 0:
+            unit, self.open = self.open, self.units[0]  # back to the root, which stays gathered
             self._reshard(unit)
-            if unit.trainable:  # the same call on every rank, whatever reached the unit here
-                self._reduce_scatter(unit)
-            unit.reduced = True
+            self._end_use(unit)
+
+    def _end_use(self, unit):  # one of its calls' backward is over: 5) after the last
+        if self.schedule.last_use(unit.index) and unit.trainable:  # the same on every rank
+            self._reduce_scatter(unit)
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()
@@ -375,8 +400,12 @@ class ZeRO3(nn.Module):
     @torch.no_grad()
     def _post_backward_final(self):
         """Queued with the autograd engine: runs once backward is over, inside loss.backward()."""
-        self._backward_until(0)  # units below the last one backward reached here
-        self._finish_backward(self.units[0])  # and the root: its embedding's gradient comes last
+        self._close_backward()
+        self._catch_up(self.schedule.end_backward(), then=None, backward=True)  # entries it never reached here
+        root, self.open = self.units[0], None
+        self._reshard(root)
+        if root.trainable:
+            self._reduce_scatter(root)  # the root's last: its embedding's gradient comes last
         self._wait_reduce_scatters()
         unused = self.used.unused() if self.used else ()
         for unit in self.units:

@@ -9,7 +9,7 @@ precision (2 Psi / N bytes in bf16), and a unit's whole parameters and gradient 
 
 07 is 06 (its units, hooks and collectives, imported) plus two copies per unit and step:
 
-    # 0) my updated shard, host -> device: every unit's at the step's first forward, on a copy
+    # 0) my updated shard, host -> device: every unit's at each forward (each micro-step), on a copy
     #    stream, so they run while the first units compute; a unit's all-gather waits for its own
     # 1)-5) as 06: gather, forward, free, gather again, backward, reduce-scatter
     # 5b) my gradient shard, device -> host, as soon as its reduce-scatter is done (copy stream)
@@ -171,21 +171,20 @@ class ZeRO3Offload(zero3.ZeRO3):
         return dict(self.copied)
 
     # ------------------------------------------------------------------ 0) host -> device
-    def _pre_forward(self, unit, module, args):
-        if unit.index == 0:  # forward begins: start every unit's upload now
-            # At every forward (each micro-step), not only after the optimizer's step: whatever
-            # changed the host shard (the optimizer, a resume, the caller) is then on the device
-            # at its next use. (A shard's version counter would tell a changed one, but an
-            # in-place write through `.data`, as some optimizers make, does not move it. FSDP2
-            # copies at every all-gather, twice a step.)
-            # ### BEGIN SOLUTION: upload every unit's shard
-            # GOAL: every unit's device_params starts receiving its host shard (fp32, cast to
-            #       device_params' dtype) through the counted copy above, and u.upload keeps what it
-            #       returns (the copy's end, which the unit's all-gather waits for).
-            for u in self.units:
-                u.upload = self._copy("h2d", u.device_params, u.shard)  # fp32 up, cast on the device
-            # ### END SOLUTION
-        super()._pre_forward(unit, module, args)
+    def _start_forward(self):  # forward begins: start every unit's upload now
+        # At every forward (each micro-step), not only after the optimizer's step: whatever
+        # changed the host shard (the optimizer, a resume, the caller) is then on the device
+        # at its next use. (A shard's version counter would tell a changed one, but an
+        # in-place write through `.data`, as some optimizers make, does not move it. FSDP2
+        # copies at every all-gather, twice a step.)
+        # ### BEGIN SOLUTION: upload every unit's shard
+        # GOAL: every unit's device_params starts receiving its host shard (fp32, cast to
+        #       device_params' dtype) through the counted copy above, and u.upload keeps what it
+        #       returns (the copy's end, which the unit's all-gather waits for).
+        for u in self.units:
+            u.upload = self._copy("h2d", u.device_params, u.shard)  # fp32 up, cast on the device
+        # ### END SOLUTION
+        super()._start_forward()
 
     def _gather_input(self, unit, dtype):
         """06's: what the all-gather sends, my shard on the device, once its upload has landed."""

@@ -102,8 +102,9 @@ class HybridShard(zero3.ZeRO3):
     """06's ZeRO3 with each unit cut over `shard_group` and every gradient shard all-reduced over
     `replicate_group`, used where a loop used FSDP2's `fully_shard` over a 2-D mesh (HSDP).
 
-    shard_group      the ranks a unit is cut over (a node): 1) 4) 5) run there
-    replicate_group  the ranks holding the same shard as I do, one per shard group: 5b)
+    shard_group      the ranks a unit is cut over (a node): 1) 4) 5) run there (None: all)
+    replicate_group  the ranks holding the same shard as I do, one per shard group: 5b) (None:
+                     no replicas, 06). The two must form a grid of the world: G x R = N.
     everything else as 06's ZeRO3
 
     `parameters()` are my shards of Psi / G elements; each replica holds and steps the same ones.
@@ -113,10 +114,13 @@ class HybridShard(zero3.ZeRO3):
         self.replicate_group = replicate_group
         super().__init__(module, units, mp_policy, shard_group=shard_group, **kwargs)
 
+    def _replicas(self):
+        return dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+
     def _wait_reduce_scatters(self):
         done = [unit for unit, _, _ in self.grads_in_flight]
         super()._wait_reduce_scatters()  # 5) done: unit.grad_shard, summed over my shard group
-        for unit in done:
+        for unit in (done if self.replicate_group is not None else ()):  # (None: no replicas)
             # ### BEGIN SOLUTION: all-reduce a gradient shard across the replicas
             # GOAL: 5b) unit.grad_shard, summed over my shard group, becomes the sum over every rank,
             #       without blocking: backward goes on meanwhile, and unit.replicate_work keeps what
@@ -126,8 +130,9 @@ class HybridShard(zero3.ZeRO3):
 
     def _reduced_grad(self, unit):
         """06's, at the end of backward: my gradient shard, once 5b) has summed it everywhere."""
-        unit.replicate_work.wait()
-        unit.replicate_work = None
+        if getattr(unit, "replicate_work", None) is not None:
+            unit.replicate_work.wait()
+            unit.replicate_work = None
         return super()._reduced_grad(unit)
 
 
@@ -137,7 +142,7 @@ def checkpoint_shards(model, optimizer, names):
     holding the same shards, and a checkpoint holds each element once. So the files are a 06
     checkpoint at world size G, which any grid (or 06) resumes: every rank loads its own shard."""
     shards = zero3.checkpoint_shards(model, optimizer, names)
-    if dist.get_rank(model.replicate_group) > 0:  # a replica of shard group 0
+    if model.replicate_group is not None and dist.get_rank(model.replicate_group) > 0:  # a replica of group 0
         for s in shards:
             s.owned = (s.owned[0], s.owned[0])  # writes nothing; loads its shard all the same
     return shards
