@@ -143,9 +143,10 @@ class ZeRO3(nn.Module):
                    place once its memory exists; prefix is its name ("" for the root)
     prefetch       issue the next unit's all-gather while the current one computes
     device         where a meta module is materialised (default: where its parameters are)
-    find_unused_parameters  as DDP's: a parameter no rank's backward reached gets no gradient
-                   (the optimizer skips it, as one process does; without: a zero gradient);
-                   a small all-reduce per backward
+    find_unused_parameters  a parameter no rank's backward reached gets no gradient (the
+                   optimizer skips it, as FSDP2 and one process do), known from a small
+                   all-reduce per backward (DDP's flag); False: it gets zeros, no all-reduce,
+                   for a model whose every parameter is used in every backward (main's GPT)
     shard_group    the ranks each unit is cut over (None: all of them; 08 passes its "node")
 
     `parameters()` / `named_parameters()` are my shards (flat; named as the module names its
@@ -158,7 +159,7 @@ class ZeRO3(nn.Module):
     """
 
     def __init__(self, module, units=(), mp_policy=None, param_init_fn=None, prefetch=True, device=None,
-                 find_unused_parameters=False, shard_group=None):
+                 find_unused_parameters=True, shard_group=None):
         if getattr(mp_policy, "output_dtype", None) is not None:
             raise NotImplementedError("ZeRO3 applies a MixedPrecisionPolicy's param_dtype and reduce_dtype, not output_dtype")
         super().__init__()
@@ -318,8 +319,10 @@ class ZeRO3(nn.Module):
         if module is not unit.modules[-1]:  # (a unit of several modules: freed after its last)
             return
         self._reshard(unit)
-        self.current = None
-        if unit.index == 0:  # forward is over: the units after the last one run here, too
+        if unit.index > 0:
+            self.current = None
+        else:  # forward is over: a unit of several whose last module was skipped here is freed,
+            self._close_forward()  # and the units after the last one run here are gathered too
             self._catch_up(self.schedule.end_forward(), then=None)
             # the root's inputs are token ids, with no gradient to hook: hook its outputs'
             outputs = output if isinstance(output, (tuple, list)) else [output]
@@ -461,7 +464,8 @@ def build_model(args, env, strategy=None, pack=list, **kwargs):
     # --precision bf16 or fp16: gather, compute and reduce-scatter in it (the ZeRO paper's 2 bytes)
     policy = MixedPrecisionPolicy(param_dtype=common.working_dtype(args))
     return (strategy or ZeRO3)(gpt, units=pack(gpt.blocks), mp_policy=policy, param_init_fn=init_unit,
-                               prefetch=bool(args.prefetch), device=env.device, **kwargs)
+                               prefetch=bool(args.prefetch), device=env.device,
+                               find_unused_parameters=False, **kwargs)  # the GPT uses every parameter
 
 
 def main(argv=None):
