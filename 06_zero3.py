@@ -283,8 +283,10 @@ class ZeRO3(nn.Module):
     # ------------------------------------------------------------------ forward: 1) 2) 3)
     def _pre_forward(self, unit, module, args):
         if torch._C._current_graph_task_id() != -1:  # inside backward: a checkpoint's recompute
-            if unit.flat_param.untyped_storage().size() == 0:  # not in its own backward (the
-                self.recomputing.add(unit)  # checkpoint spans several units): an extra gather
+            if self.open in (None, self.units[0]) and self.schedule.ahead(unit.index):
+                self._pre_backward(unit, module, None)  # the unit's backward begins with it
+            elif unit.flat_param.untyped_storage().size() == 0:  # a checkpoint around several
+                self.recomputing.add(unit)  # units: this one before its backward, an extra gather
             self._unshard(unit)  # (FSDP2 skips its forward hooks here too)
             return
         if unit.index == 0:

@@ -203,6 +203,11 @@ class Checkpointer:
         indexed by step); else 0. auto: the same if there is one, else 0: a job's first run and its restarts."""
         a = self.args
         if not a.resume:
+            torn = a.save_every and latest(a.checkpoint_dir) is None and _steps(a.checkpoint_dir)
+            if torn:  # only saves that were interrupted: --resume would find nothing to load
+                raise CheckpointError(f"--checkpoint-dir {a.checkpoint_dir} holds only incomplete checkpoints "
+                                      f"({', '.join(os.path.basename(d) for d in torn)}: interrupted saves, "
+                                      "no COMPLETE marker): delete them or choose another directory")
             if a.save_every and _steps(a.checkpoint_dir):  # --resume would later mix two runs' files
                 raise CheckpointError(f"--checkpoint-dir {a.checkpoint_dir} already holds checkpoints: "
                                       "add --resume to continue from them, or choose another directory")

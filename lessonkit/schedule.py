@@ -62,6 +62,10 @@ class Schedule:
         self.back += rest.index(index) + 1
         return rest[:rest.index(index)]
 
+    def ahead(self, index):
+        """Whether backward has unit `index` still to run."""
+        return index in self.todo[self.back:]
+
     def next_backward(self):
         return self.todo[self.back] if self.back < len(self.todo) else None
 

@@ -58,9 +58,9 @@ from scripts.runs import FP16_LESSONS, Parser  # noqa: E402
 from lessonkit import checkpoint, optimizers, reshard  # noqa: E402
 from lessonkit.loss_scale import LossScaler  # noqa: E402
 from stream_semantics import StreamSemantics, first_difference  # noqa: E402
-from fuzz_models import global_batch, make_model, micro_batches, routing_slots  # noqa: E402
+from fuzz_models import block_slot, global_batch, make_model, micro_batches, routing_slots  # noqa: E402
 import harness  # noqa: E402
-from lessons import FSDP2_REDUCES_UNUSED, Scaled, adamw, build, handles, replicated_optimizer  # noqa: E402
+from lessons import FSDP2_REDUCES_UNUSED, Scaled, adamw, build, evaluate, handles, replicated_optimizer  # noqa: E402
 from tolerances import (FUZZ_BF16_ADAM_EPS, FUZZ_BF16_FLOOR_ULPS, FUZZ_BF16_LOSS_ATOL,  # noqa: E402
                         FUZZ_BF16_PYTORCH_SPREAD, FUZZ_BF16_UPDATE_RTOL, FUZZ_FP16_ADAM_EPS,
                         FUZZ_FP16_LOSS_ATOL, FUZZ_FP16_UPDATE_RTOL, FUZZ_TOL)
@@ -214,6 +214,31 @@ def cases(draw, world=None, fp16=True):
     # step, SGD's momentum buffers (lessonkit/checkpoint.py; once AdamW's only: SGD's momentum ended in KeyError)
     if steps > 1:
         case["resume"] = draw(st.integers(0, steps - 1))
+    # what a user's model and loop bring (drawn last, as above): a checkpoint placed around each
+    # block call or around two; the blocks called in another order, or one twice; one block under
+    # no_grad in some steps; an evaluation forward after each step; prefetch off; 08 built with
+    # its defaults (no grid). A forward that calls the units out of the order listed is learned
+    # from every rank's calls, which must then be the same (as FSDP2's in every forward): no block
+    # routed whole there, none in a chunk; a checkpoint around several units, only where every
+    # rank's backward reaches the same units.
+    n = len(spec["blocks"])
+    if draw(st.booleans()):
+        case["model"]["checkpoint"] = draw(st.sampled_from(("around", "around_pairs")))
+    calls = draw(st.one_of(st.just(list(range(n))), st.permutations(range(n)),
+                           st.lists(st.integers(0, n - 1), min_size=1, max_size=n + 2)))
+    if calls != list(range(n)) or case["model"]["checkpoint"] == "around_pairs":
+        case["model"]["calls"], case["chunk"] = calls, 1
+        for b in spec["blocks"]:
+            b["routed"] = False
+        case["routes"] = [[draw(route_bits(world * accum)) for _ in range(len(routing_slots(spec)))]
+                          for _ in range(steps)]
+    case["model"]["no_grad_block"] = draw(st.one_of(st.none(), st.integers(0, n - 1)))
+    case["no_grad_steps"] = [draw(st.booleans()) for _ in range(steps)]
+    if case["model"]["checkpoint"] == "around_pairs" and not passes_agree(case):
+        # a unit recomputed before its own backward is gathered when backward reaches its
+        # checkpoint: ranks whose backward reaches other units gather at other times (FSDP2's too)
+        case["model"]["checkpoint"] = "around"
+    case["eval"], case["prefetch"], case["defaults"] = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
     return case
 # Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2
 # shards each rank's own weights; tests/toy.py covers the lessons), a MixedPrecisionPolicy's
@@ -221,26 +246,29 @@ def cases(draw, world=None, fp16=True):
 
 
 def unit_passes(case, step, chunk):
-    """Per block (an FSDP2/06 unit), in one chunk of a step: (its forward runs, its input carries
-    a gradient, its output does). A routed block no row of the chunk uses does not run (with
-    run_unused: runs, and backward never reaches its dropped output). The input carries a
-    gradient after a trainable embedding, or a routed module or block that trained; the output
-    also when the block uses a trainable parameter itself."""
+    """Per block call (an FSDP2/06 unit's), in one chunk of a step: (its forward runs, its input
+    carries a gradient, its output does). A routed block no row of the chunk uses does not run
+    (with run_unused: runs, and backward never reaches its dropped output); a block under no_grad
+    runs, and backward never reaches it. The input carries a gradient after a trainable
+    embedding, or a routed module or block that trained; the output also when the block uses a
+    trainable parameter itself."""
     spec, bits = case["model"], case["routes"][step]
 
     def used(slot):
         return (bits[slot] >> chunk) & 1 == 1
-    grad, slot = spec["tied"] or not spec["frozen_emb"], 0
+    grad = spec["tied"] or not spec["frozen_emb"]
     if spec["root_expert"]:
-        grad, slot = grad or used(0), 1
+        grad = grad or used(0)
+    no_grad = spec.get("no_grad_block") if case.get("no_grad_steps", [False] * (step + 1))[step] else None
     out = []
-    for b in spec["blocks"]:
+    for i in spec.get("calls") or range(len(spec["blocks"])):
+        b, slot = spec["blocks"][i], block_slot(spec, i)
         runs = True
         if b["routed"]:
             runs, slot = used(slot), slot + 1
-        experts, slot = [used(slot + e) for e in range(len(b["experts"]))], slot + len(b["experts"])
-        if not runs:
-            out.append((spec["run_unused"], False, False))
+        experts = [used(slot + e) for e in range(len(b["experts"]))]
+        if not runs or i == no_grad:
+            out.append((runs or spec["run_unused"], False, False))
             continue
         trains = b["frozen"] != "all" and (b["hidden"] > 0 or any(experts))  # (a dense's second Linear trains)
         grad_out = grad or trains
@@ -256,9 +284,14 @@ def fsdp2_can_run(case):
     backward, in another order. A unit for which any of these differs between ranks in a
     micro-step (unit_passes) leaves the ranks' collectives mismatched, and gloo aborts: PyTorch
     cannot run the case with units. (06 then answers to one process only.)"""
+    return passes_agree(case) and fsdp2_chunks_ok(case)
+
+
+def passes_agree(case):
+    """Whether every rank's forward and backward reach the same units in every micro-step."""
     world, accum = case["world"], case["accum"]
     return all(len({tuple(unit_passes(case, step, r * accum + m)) for r in range(world)}) == 1
-               for step in range(case["steps"]) for m in range(accum)) and fsdp2_chunks_ok(case)
+               for step in range(case["steps"]) for m in range(accum))
 
 
 def fsdp2_chunks_ok(case):
@@ -336,7 +369,8 @@ def maker(case, name):
     kw = dict(grad_clip=case["clip"], weight_decay=case["weight_decay"], bucket_mb=case["bucket_mb"],
               find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
               layout=case.get("layout", "even") if case.get("collectives", "torch") == "torch" else "even",
-              shard_group=case.get("shard_group"), chunk=case.get("chunk", 1))
+              shard_group=None if case.get("defaults") else case.get("shard_group"), chunk=case.get("chunk", 1),
+              prefetch=case.get("prefetch", True), defaults=case.get("defaults", False))
     if sharded_fp32 and low is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low)  # as 06's main()
 
@@ -385,6 +419,8 @@ def train_steps(case, name, make, unused, checkpoint_dir):
         if s and s == case.get("resume") and name in LESSONS:
             model, trainer, resumed_why["resumed"] = resumed(case, name, make, trainer, checkpoint_dir, s)
         loss = torch.tensor(trainer.train_step(micro_batches(case, s, rank)))
+        if case.get("eval"):  # a forward under no_grad between steps: it changes nothing
+            evaluate(trainer, *micro_batches(case, s, rank)[0])
         dist.all_reduce(loss)
         losses.append(loss.item() / case["world"])
     skipped = trainer.scaler.skipped  # fp16: the steps its loss scaler skipped

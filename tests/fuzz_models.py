@@ -4,7 +4,10 @@ FuzzNet is built from a JSON-able spec: an embedding (tied to the output head, o
 when not tied), an optional routed "expert" in the root, then blocks (ZeRO-3/FSDP2 units:
 lessons.sharding_units takes `blocks`), each with an optional dense layer and routed experts,
 optionally routed whole, and frozen: not at all, its dense layer's first Linear, or all of it;
-and optionally a parameter no forward ever uses. Widths are small (1-13), mostly odd or prime,
+and optionally a parameter no forward ever uses. Forward calls the blocks in `calls` (default:
+each once, in order; a block may be called twice, or the blocks in another order), with
+checkpoints placed inside each block, around each call or around two calls at a time, and one
+block under no_grad in the steps its flag column says. Widths are small (1-13), mostly odd or prime,
 so no world size divides Ψ.
 
 Routing as in tests/routing.py (whose `routed` applies it): which rows use a routed module is a
@@ -59,8 +62,10 @@ class FuzzNet(nn.Module):
         self.spec = spec
         self.emb = nn.Embedding(vocab, d)
         self.root_expert = mlp(d, spec["root_expert"]) if spec["root_expert"] else None
+        # spec["checkpoint"]: True (or "inside"): each block checkpoints itself (model.py's
+        # --activation-checkpointing block); "around", "around_pairs": placed by forward
         self.blocks = nn.ModuleList(Block(d, b["hidden"], b["experts"], b["frozen"], spec["run_unused"],
-                                          spec.get("checkpoint", False)) for b in spec["blocks"])
+                                          spec.get("checkpoint") in (True, "inside")) for b in spec["blocks"])
         self.head = nn.Linear(d, vocab, bias=False)
         if spec["tied"]:
             self.head.weight = self.emb.weight  # as GPT-2
@@ -69,24 +74,49 @@ class FuzzNet(nn.Module):
         self.unused = nn.Parameter(torch.randn(spec["unused"])) if spec["unused"] else None  # never used
 
     def forward(self, x, y):
-        seq = y.shape[1]
-        route = x[:, seq:].bool()  # (rows, slots), in routing_slots' order
-        h, at = self.emb(x[:, :seq]), 0
+        seq, n = y.shape[1], n_slots(self.spec)
+        route = x[:, seq:seq + n].bool()  # (rows, slots), in routing_slots' order
+        # in this step, the block (if any) called under no_grad: the flag column after the routes
+        no_grad = self.spec.get("no_grad_block") if x.shape[1] > seq + n and x[0, seq + n] else None
+        h = self.emb(x[:, :seq])
         if self.root_expert is not None:
             h = routed(lambda h: h + self.root_expert(h), h, route[:, 0], self.spec["run_unused"])
-            at = 1
-        for block, b in zip(self.blocks, self.spec["blocks"]):
-            n = len(b["experts"])
-            if b["routed"]:  # the whole block (a unit), then its experts, on the block's rows only:
-                # else one process would run an expert on rows the block then drops, and give it
-                # a zero gradient where no rank's backward reaches it (a gradient, not None)
-                use = route[:, at:at + 1]
-                h = routed(lambda h: block(h, route[:, at + 1:at + 1 + n] & use), h, use[:, 0], self.spec["run_unused"])
-                at += 1
+        calls = self.spec.get("calls") or list(range(len(self.blocks)))
+        # a checkpoint the model places around each block call, or around two calls at a time
+        size = {"around": 1, "around_pairs": 2}.get(self.spec.get("checkpoint"))
+        groups = [calls[i:i + size] for i in range(0, len(calls), size)] if size else [calls]
+
+        def run(group, h):
+            for i in group:
+                if i == no_grad:  # as a frozen step: no gradient reaches the block, h's passes by
+                    with torch.no_grad():
+                        delta = self.call(i, h, route) - h
+                    h = h + delta
+                else:
+                    h = self.call(i, h, route)
+            return h
+        for group in groups:
+            if size and torch.is_grad_enabled():
+                h = checkpoint(lambda h, group=group: run(group, h), h, use_reentrant=False)
             else:
-                h = block(h, route[:, at:at + n])
-            at += n
+                h = run(group, h)
         return F.cross_entropy(self.head(h).float().flatten(0, 1), y.flatten())
+
+    def call(self, i, h, route):
+        """Block i on h, routed by its columns of `route`."""
+        block, b, at = self.blocks[i], self.spec["blocks"][i], block_slot(self.spec, i)
+        n = len(b["experts"])
+        if b["routed"]:  # the whole block (a unit), then its experts, on the block's rows only:
+            # else one process would run an expert on rows the block then drops, and give it
+            # a zero gradient where no rank's backward reaches it (a gradient, not None)
+            use = route[:, at:at + 1]
+            return routed(lambda h: block(h, route[:, at + 1:at + 1 + n] & use), h, use[:, 0], self.spec["run_unused"])
+        return block(h, route[:, at:at + n])
+
+
+def block_slot(spec, i):
+    """The first routing column of block i (its own, if routed whole, then its experts')."""
+    return (1 if spec["root_expert"] else 0) + sum(b["routed"] + len(b["experts"]) for b in spec["blocks"][:i])
 
 
 def routing_slots(spec):
@@ -121,11 +151,13 @@ def make_model(spec, seed, dtype=None):
 def global_batch(case, step):
     """(x, y) of the whole step: world x accum chunks of `rows` rows, chunk c = rank c // accum's
     micro-step c % accum; x = tokens | one 0/1 column per routing slot (case["routes"][step][slot]
-    is a bitmask over the chunks)."""
+    is a bitmask over the chunks) | with a no_grad block, whether it runs under no_grad this step."""
     chunks, rows, seq = case["world"] * case["accum"], case["rows"], case["seq"]
     g = torch.Generator().manual_seed(case["seed"] * 1000 + step)
     tokens = torch.randint(case["model"]["vocab"], (chunks * rows, seq + 1), generator=g)
     masks = [[(bits >> c) & 1 for bits in case["routes"][step]] for c in range(chunks)]  # (chunks, slots)
+    if case["model"].get("no_grad_block") is not None:  # one more column: the block runs under no_grad
+        masks = [m + [int(case["no_grad_steps"][step])] for m in masks]
     route = torch.tensor(masks, dtype=torch.long).reshape(chunks, -1).repeat_interleave(rows, dim=0)
     return torch.cat([tokens[:, :-1], route], dim=1), tokens[:, 1:]
 

@@ -114,6 +114,16 @@ class Scaled:
         self.steps += 1
 
 
+def evaluate(trainer, x, y):
+    """An evaluation forward under no_grad, through what the trainer's loop calls."""
+    model = trainer.wrapper if hasattr(trainer, "wrapper") else trainer.model
+    with torch.no_grad():
+        loss = model(x, y)
+    if isinstance(model, FSDPModule):  # FSDP2 without resharding keeps what forward gathered
+        model.reshard()
+    return loss
+
+
 def adamw(lr):
     return dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
@@ -158,9 +168,9 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
         if lesson == "07":
             strategy, extra = load_lesson("07_offload").ZeRO3Offload, {"offload_policy": CPUOffloadPolicy(False),
                                                                        "layout": kw.get("layout", "even")}
-        if lesson == "08":  # the R x G grid's two process groups
+        if lesson == "08":  # the R x G grid's two process groups (defaults: none, as HybridShard(module))
             hybrid = load_lesson("08_hybrid")
-            groups = hybrid.hybrid_groups(kw.get("shard_group") or dist.get_world_size())
+            groups = () if kw.get("defaults") else hybrid.hybrid_groups(kw.get("shard_group") or dist.get_world_size())
             strategy, extra = hybrid.HybridShard, dict(zip(("shard_group", "replicate_group"), groups))
         z = strategy(module, units=sharding_units(module, kw.get("chunk", 1)), prefetch=kw.get("prefetch", True),
                      find_unused_parameters=kw.get("find_unused", False),

@@ -188,6 +188,7 @@ def suite_world2(root):
     r["precision"] = refused("04_zero1", ARGV + BF16 + ["--checkpoint-dir", other, "--resume"])
     r["done"] = refused("04_zero1", ARGV + ["--steps", "4", "--checkpoint-dir", other, "--resume"])
     r["fresh_run_into_old_dir"] = refused("04_zero1", ARGV + SAVE + ["--checkpoint-dir", other])
+    r["fresh_run_into_torn_dir"] = refused("04_zero1", ARGV + SAVE + ["--checkpoint-dir", no_marker])
     r["empty"] = refused("04_zero1", ARGV + ["--checkpoint-dir", f"{root}/bad/empty", "--resume"])
 
     # a crash while saving step 4: no marker, a torn rank file, a temporary file left behind
@@ -450,6 +451,9 @@ def test_refusals_name_the_problem(root):
         assert "precision fp32 (checkpoint) != bf16 (this run)" in r["precision"]
         assert "at step 4: nothing left to do with --steps 4" in r["done"]
         assert "already holds checkpoints: add --resume" in r["fresh_run_into_old_dir"]
+        # only a torn save there: --resume would refuse too, so the message names what works
+        assert "holds only incomplete checkpoints (step" in r["fresh_run_into_torn_dir"]
+        assert "delete them or choose another directory" in r["fresh_run_into_torn_dir"]
         assert "no complete checkpoint in" in r["empty"]
     with pytest.raises(checkpoint.CheckpointError, match="has no COMPLETE marker"):
         checkpoint.read(step_dir(f"{root}/bad/no_marker", 4))
