@@ -14,30 +14,13 @@ gradients and optimizer state are all Psi / N. A unit is whole only while it com
     # 5) reduce-scatter unit i's gradients once its backward is over; free them
     # 6) the optimizer on my shards (nothing to all-gather after it: the next forward gathers)
 
-Every rank issues these collectives, unit by unit, in this order whatever its data did: a unit
-(or a part of one: an MoE expert with no tokens here) that this rank's forward or backward skips
-is gathered, and its zero gradient reduce-scattered, all the same, where the ranks that ran it
-do; else the ranks' collectives pair up wrongly (gloo: "collective mismatch"; NCCL: a hang).
-
 Each step gathers every parameter twice and reduce-scatters every gradient once: 3 Psi (N-1)/N
-elements sent per rank, 1.5x what 01-05 send (3 K Psi with K micro-steps: no rank holds a whole
-gradient to accumulate into). Shaped like FSDP2: `parameters()` are my shards, fp32, the master
-weights any torch.optim optimizer updates; a MixedPrecisionPolicy casts them to param_dtype in
-each all-gather and reduce-scatters in reduce_dtype. At rest: (4 + 4 + 8) Psi / N bytes.
-
-In fp16 the loop is FSDP2's with ShardedGradScaler: the optimizer is torch's, over fp32 shards,
-and clipping sits between backward and step, so `scaler.unscale_(optimizer)` comes first: it
-divides my shards' fp32 gradients by the loss scale (before clipping, which must see the true
-norm) and all-reduces a found-inf flag, since an inf in rank 1's shard is invisible to rank 0;
-`scaler.step` then skips on every rank or none (lessonkit/loss_scale.py).
-
-With --activation-checkpointing block each block keeps only its input and recomputes itself in
-backward (model.py). The checkpoint sits inside the unit: the unit's hooks wrap the block's
-call, and the recomputation runs inside the unit's backward, after 4) has gathered it, so the
-step still sends 3 Psi (N-1)/N. Wrapped the other way round (the unit inside a checkpoint), the
-recomputation would call the unit itself again in the middle of backward: its forward hooks
-would gather and free it outside the schedule (with two blocks, 7 all-gathers a step instead of
-6: no longer 3 Psi). So with FSDP2 one checkpoints a block first, then calls fully_shard on it.
+elements sent per rank, 1.5x what 01-05 send. Shaped like FSDP2: `parameters()` are my fp32
+shards, the master weights any torch.optim optimizer updates; a MixedPrecisionPolicy casts them
+to param_dtype in each all-gather. Every rank issues the same collectives in the same order,
+whatever its data did: lessonkit/schedule.py learns the order forward calls the units in (a
+unit called twice, or out of the listed order, or skipped by this rank's data), and a forward
+hook that fires inside backward is a checkpoint's recompute, which gathers only what is not.
 
     python 06_zero3.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 06_zero3.py                  # 2 ranks on CPU (gloo)
@@ -135,7 +118,8 @@ class ZeRO3(nn.Module):
 
     module         a plain nn.Module; its parameters may be on the meta device (no memory)
     units          submodules gathered, freed and reduced one at a time, listed in the order
-                   forward runs them (each at most once; a rank's data may skip any); every
+                   forward runs them (a rank's data may skip any); forward may also call one
+                   twice or in another order, the same on every rank, as FSDP2 requires; every
                    other parameter (a tied one too) is the root's. A unit may be a list of
                    consecutive modules, gathered and reduced together (FSDP2's fully_shard([..]))
     mp_policy      FSDP2's MixedPrecisionPolicy: its param_dtype and reduce_dtype
@@ -149,13 +133,9 @@ class ZeRO3(nn.Module):
                    for a model whose every parameter is used in every backward (main's GPT)
     shard_group    the ranks each unit is cut over (None: all of them; 08 passes its "node")
 
-    `parameters()` / `named_parameters()` are my shards (flat; named as the module names its
-    parameters): build any torch.optim optimizer over them. `loss.backward()` leaves each
-    shard's averaged gradient in its `.grad` (micro-steps add up there, until zero_grad(): In
-    bf16, micro-steps' gradients add up in fp32, never in bf16, since the shards are fp32; fp16 too).
-    `clip_grad_norm_(max_norm)` clips across all ranks' shards, as FSDP1's method of that name.
-    A meta module is materialised, initialised and sharded one unit at a time, so no rank holds
-    more than one full unit besides its shards; a materialised one takes rank 0's values.
+    `parameters()` are my shards (flat, under the module's names): build any optimizer over them.
+    `loss.backward()` leaves each shard's averaged gradient in its fp32 `.grad`, where micro-steps
+    add up. `clip_grad_norm_(max_norm)` clips across all ranks' shards, as FSDP1's method does.
     """
 
     def __init__(self, module, units=(), mp_policy=None, param_init_fn=None, prefetch=True, device=None,
@@ -432,21 +412,6 @@ class ZeRO3(nn.Module):
         return optimizers.clip_grad_norm_(grads, max_norm, self.units[0].shard.device, self.shard_group)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-def checkpoint_shards(model, optimizer, names):
-    """For checkpoint.py, per parameter of `model` (a ZeRO3): its elements in my shards, which
-    are its master weights too, and `optimizer`'s state for them. I write and load just those."""
-    out = []
-    for u in model.units:
-        for p, shard, offset, (lo, hi) in zip(u.params, u.sharded, u.offsets, u.ranges):
-            first = u.start + lo - offset  # the element of p my shard starts at
-            stepped = p.requires_grad and hi > lo
-            tensors = {"param": (first, shard), **({"master": (first, shard)} if stepped else {})}
-            out.append(checkpoint.FlatShard([(names[p], p.numel())], tensors, owned=(first, first + hi - lo),
-                                            optim=optimizer if stepped else None))
-    return out
-
-
 # ----------------------------------------------------------------------------- training
 def build_model(args, env, strategy=None, pack=list, **kwargs):
     """The GPT of `args` under ZeRO-3 (`strategy`: ZeRO3, or 07's subclass, with its `kwargs`;
@@ -480,7 +445,7 @@ def main(argv=None):
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "zero3", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
-                                   functools.partial(checkpoint_shards, model, optimizer), loss_scaler=scaler)
+                                   functools.partial(checkpoint.unit_shards, model, optimizer), loss_scaler=scaler)
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

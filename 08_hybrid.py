@@ -141,7 +141,7 @@ def checkpoint_shards(model, optimizer, names):
     """06's, written by shard group 0 only (ranks 0 .. G-1): the other groups are its replicas,
     holding the same shards, and a checkpoint holds each element once. So the files are a 06
     checkpoint at world size G, which any grid (or 06) resumes: every rank loads its own shard."""
-    shards = zero3.checkpoint_shards(model, optimizer, names)
+    shards = checkpoint.unit_shards(model, optimizer, names)
     if model.replicate_group is not None and dist.get_rank(model.replicate_group) > 0:  # a replica of group 0
         for s in shards:
             s.owned = (s.owned[0], s.owned[0])  # writes nothing; loads its shard all the same

@@ -1,10 +1,8 @@
 """Checkpoints that survive a crash and a change of world size, for every lesson (docs/checkpoints.md).
-
-Each rank writes what it owns as ranges [lo, hi) of ONE parameter's flat values, of one kind: "param"
-(its working dtype), "master" (bf16's, fp16's fp32 master weights) or its optimizer's state (AdamW's "exp_avg",
-"exp_avg_sq" and step count, SGD's "momentum_buffer"); loading fills what the NEW layout gives this rank (reshard.py). A strategy says
-what it holds with `checkpoint_shards(names) -> [FlatShard, ...]`.
-"""
+Each rank writes what it owns as ranges [lo, hi) of ONE parameter's flat values, of one kind ("param",
+"master", or its optimizer's state: AdamW's "exp_avg", "exp_avg_sq" and step, SGD's "momentum_buffer");
+loading fills what the NEW layout gives this rank (reshard.py). A strategy says what it holds with
+`checkpoint_shards(names) -> [FlatShard, ...]`."""
 import glob
 import json
 import os
@@ -18,9 +16,8 @@ import torch.distributed as dist
 from lessonkit import lifecycle, reshard
 from lessonkit.reshard import CheckpointError
 
-FORMAT = 1
-KEEP = 2  # complete checkpoints kept; older step directories are deleted after a save
-FlatShard, flat_buffer_shards = reshard.FlatShard, reshard.flat_buffer_shards  # the lessons' checkpoint.FlatShard
+FORMAT, KEEP = 1, 2  # the files' format; complete checkpoints kept (older ones deleted after a save)
+FlatShard, flat_buffer_shards, unit_shards = reshard.FlatShard, reshard.flat_buffer_shards, reshard.unit_shards
 
 
 # ----------------------------------------------------------------------------- save
@@ -203,14 +200,11 @@ class Checkpointer:
         indexed by step); else 0. auto: the same if there is one, else 0: a job's first run and its restarts."""
         a = self.args
         if not a.resume:
-            torn = a.save_every and latest(a.checkpoint_dir) is None and _steps(a.checkpoint_dir)
-            if torn:  # only saves that were interrupted: --resume would find nothing to load
-                raise CheckpointError(f"--checkpoint-dir {a.checkpoint_dir} holds only incomplete checkpoints "
-                                      f"({', '.join(os.path.basename(d) for d in torn)}: interrupted saves, "
-                                      "no COMPLETE marker): delete them or choose another directory")
             if a.save_every and _steps(a.checkpoint_dir):  # --resume would later mix two runs' files
-                raise CheckpointError(f"--checkpoint-dir {a.checkpoint_dir} already holds checkpoints: "
-                                      "add --resume to continue from them, or choose another directory")
+                torn = [os.path.basename(d) for d in _steps(a.checkpoint_dir)] if latest(a.checkpoint_dir) is None else []
+                raise CheckpointError(f"--checkpoint-dir {a.checkpoint_dir} " + (  # (torn: --resume finds nothing)
+                    f"holds only incomplete checkpoints ({', '.join(torn)}: interrupted saves): delete them"
+                    if torn else "already holds checkpoints: add --resume to continue from them") + " or choose another directory")
             return 0
         found = [latest(a.checkpoint_dir)]  # (an interrupted save has no COMPLETE: the one before it)
         dist.broadcast_object_list(found, src=0)  # rank 0's: no rank starts fresh while others load
@@ -253,3 +247,4 @@ class Checkpointer:
                     "loss_scale": self.loss_scaler and self.loss_scaler.state_dict()}  # fp16; else None
             save(path, step, self.module, self.holder, meta)
             self.say(f"checkpoint {path} saved (world size {self.env.world_size})")
+

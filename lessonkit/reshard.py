@@ -127,3 +127,17 @@ def stage(shards, index, steps):
             state[kind] = _fill(master, start, s.params, index, lambda n: kind)
         states.append((s.optim, master, state))
     return copies, states
+
+
+def unit_shards(model, optimizer, names):
+    """For checkpoint.py, per parameter of `model` (06-08's ZeRO3): its elements in my shards, which
+    are its master weights too, and `optimizer`'s state for them. I write and load just those."""
+    out = []
+    for u in model.units:
+        for p, shard, offset, (lo, hi) in zip(u.params, u.sharded, u.offsets, u.ranges):
+            first = u.start + lo - offset  # the element of p my shard starts at
+            stepped = p.requires_grad and hi > lo
+            tensors = {"param": (first, shard), **({"master": (first, shard)} if stepped else {})}
+            out.append(FlatShard([(names[p], p.numel())], tensors, owned=(first, first + hi - lo),
+                                 optim=optimizer if stepped else None))
+    return out

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from lessonkit import optimizers
+from lessonkit import checkpoint, optimizers
 from graded import load_lesson
 
 
@@ -207,9 +207,9 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
 def handles(lesson, trainer):
     """(module, holder): the plain model and what describes it to lessonkit/checkpoint.py, as each
     lesson's main() gives its Checkpointer (01-08)."""
-    if lesson in ("06", "07", "08"):  # the lesson's function, of the model and the caller's optimizer
-        name = "08_hybrid" if lesson == "08" else "06_zero3"  # (07 saves as 06 does)
-        return trainer.model.module, functools.partial(load_lesson(name).checkpoint_shards, trainer.model, trainer.opt)
+    if lesson in ("06", "07", "08"):  # of the model and the caller's optimizer: 08's, or 06's and 07's in the kit
+        shards = load_lesson("08_hybrid").checkpoint_shards if lesson == "08" else checkpoint.unit_shards
+        return trainer.model.module, functools.partial(shards, trainer.model, trainer.opt)
     if lesson in ("04", "05"):  # the lesson's function, of its optimizer
         name = {"04": "04_zero1", "05": "05_zero2"}[lesson]
         return trainer.model, functools.partial(load_lesson(name).checkpoint_shards, trainer.opt)

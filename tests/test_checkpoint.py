@@ -450,10 +450,10 @@ def test_refusals_name_the_problem(root):
         assert "does not match this run: strategy zero1 (checkpoint) != zero2 (this run)" in r["lesson"]
         assert "precision fp32 (checkpoint) != bf16 (this run)" in r["precision"]
         assert "at step 4: nothing left to do with --steps 4" in r["done"]
-        assert "already holds checkpoints: add --resume" in r["fresh_run_into_old_dir"]
+        assert "already holds checkpoints: add --resume to continue from them or" in r["fresh_run_into_old_dir"]
         # only a torn save there: --resume would refuse too, so the message names what works
         assert "holds only incomplete checkpoints (step" in r["fresh_run_into_torn_dir"]
-        assert "delete them or choose another directory" in r["fresh_run_into_torn_dir"]
+        assert "interrupted saves): delete them or choose another directory" in r["fresh_run_into_torn_dir"]
         assert "no complete checkpoint in" in r["empty"]
     with pytest.raises(checkpoint.CheckpointError, match="has no COMPLETE marker"):
         checkpoint.read(step_dir(f"{root}/bad/no_marker", 4))
