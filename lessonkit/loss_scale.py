@@ -1,54 +1,26 @@
 """Dynamic loss scaling for `--precision fp16`, written once for every lesson: LossScaler, with
 torch.amp.GradScaler's defaults, semantics and calls.
 
-Why scale. fp16 has 5 exponent bits: its smallest normal number is 2^-14 (subnormals reach
-2^-24, with fewer and fewer significant bits), and the gradients of a loss averaged over many
-tokens are often smaller, so backward rounds them to 0. Multiply the loss by S, a power of two,
-and backward multiplies every gradient by S, lifting them into fp16's range; the optimizer
-divides them by S again in fp32, where x 2^-k is exact. Too large an S overflows (fp16's largest
-is 65504): some gradient becomes inf or NaN. Then the step is skipped, parameters, moments and
-AdamW's step count untouched, and S halved; after `growth_interval` clean steps in a row S
-doubles. So S settles just under the point of overflow. (bf16 has fp32's 8 exponent bits and
-needs none of this: its gradients lose precision, not range.)
-
-The loop, GradScaler's:
+Why scale: fp16's smallest normal number is 2^-14, and a loss averaged over many tokens has
+smaller gradients, which backward rounds to 0. The loss times S (a power of two) lifts every
+gradient by S; the optimizer divides by S again in fp32, exactly. Too large an S overflows (an
+inf or NaN): the step is skipped everywhere, nothing changed, and S halves; after
+`growth_interval` clean steps S doubles. (bf16 has fp32's exponent range and needs none of it.)
 
     scaler.scale(loss).backward()   # loss x S: every gradient x S
     scaler.step(optimizer)          # unscale in fp32; an inf or NaN on any rank: skip, everywhere
     scaler.update()                 # S / 2 after a skipped step, S x 2 after growth_interval clean ones
 
-Unscaled where: GradScaler refuses to unscale fp16 gradients ("Attempting to unscale FP16
-gradients"): divided by S in fp16, they would underflow again. So the optimizer first casts them
-to its fp32 gradients (optimizers.MixedPrecisionAdamW: its master weights' .grad, as DeepSpeed's
-fp16 optimizer; 04's and 05's: my gradient shards, optimizers.ShardOptimizer), then hands those
-to unscale(): they are found finite or not and divided by S there, before clipping (which must
-see the true norm). The protocol, explicit: such an optimizer's class sets `unscale_in_step =
-True`, and its step(unscale=fn) calls fn(its fp32 gradients) before clipping and, when fn returns
-False, changes nothing (parameters, masters, moments, step count).
+fp16 gradients are not unscaled in fp16 (they would underflow again): an optimizer with fp32
+gradients of its own (MixedPrecisionAdamW's masters; 04's and 05's shards) sets `unscale_in_step
+= True`, and its step(unscale=fn) calls fn on them before clipping, changing nothing when fn
+returns False. 06-08's shards are fp32 already: their loop is FSDP2's with ShardedGradScaler
+(`scaler.unscale_(optimizer)`, clipping, `scaler.step`, `scaler.update`).
 
-06-08 need no protocol: their shards are fp32 and the master weights (FSDP2's convention), their
-optimizer is any torch.optim one, and their loop is FSDP2's with ShardedGradScaler, which clips
-between backward and step: `scaler.scale(loss).backward()`, `scaler.unscale_(optimizer)` (the
-shards' fp32 .grad divided by S in place, and every rank's verdict taken), clipping,
-`scaler.step(optimizer)` (skipped on that verdict), `scaler.update()`.
-
-Why the found-inf flag is global. Every rank must take the same decision: a rank that steps
-while another skips leaves the replicas (01-03) apart for good, or the shards (04-08) at
-different steps. In 01-03 every rank already holds the same all-reduced gradients, so an inf on
-one rank has reached all of them (inf plus anything is inf or NaN): that is why GradScaler, under
-DDP, needs no collective of its own. Where gradients are sharded, a rank sees only its shard: an
-inf in rank 1's shard is invisible to rank 0. Like clipping, which needs the norm over every
-shard (optimizers.clip_grad_norm_), the check must then be global, which is why PyTorch has a
-ShardedGradScaler (FSDP) that all-reduces its flag. This scaler, one for every lesson, always
-does: one 1-element all-reduce per step (SUM: the number of ranks that found one; the ring
-carries SUM), measured with the lesson's other collectives. Over the whole world, in 08 too:
-its replicas hold the same shards, but the rule that needs no argument is every rank's verdict.
-
-Checkpoints keep it (checkpoint.Checkpointer: meta.json's "loss_scale", state_dict()): a
-resumed run continues with the scale, growth tracker and skipped steps it stopped with.
-
-Disabled (every precision but fp16) it is the identity: scale(loss) is loss, step(optimizer) is
-optimizer.step(), update() does nothing, and no collective runs.
+The found-inf flag is all-reduced over the world (one element, SUM), as ShardedGradScaler's: an
+inf in rank 1's gradient shard is invisible to rank 0, and a rank that steps while another skips
+leaves the shards (or replicas) apart for good. Checkpoints keep the scale, growth tracker and
+skipped steps (meta.json's "loss_scale"). Disabled (every precision but fp16) it is the identity.
 """
 import argparse
 import math

@@ -1,27 +1,17 @@
-"""The order ZeRO-3's units run in (06-08): learned from forward, so every rank issues the same
-collectives in the same order whatever its data did.
+"""The order 06-08's units run in, learned from forward, so every rank issues the same collectives
+in the same order whatever its data did (docs/drop_in.md, "Model shapes 06-08 train").
 
-A forward is a sequence of unit calls: each unit once in the order they were listed, or any
-other order, a unit called twice (weights shared across depth), a unit this rank's data routes
-around. The schedule is the sequence every rank follows:
-- It starts as the units in the order they were listed. A call to a unit further on in it means
-  this rank skipped the units in between: they are gathered and freed all the same (`skipped`),
-  as on the ranks that ran them.
-- A call the schedule does not have next (a unit called again, or in another order) is made on
-  demand, as FSDP2 makes every call: every rank must then make the same calls in that forward.
-  The schedule becomes that forward's calls, from the next forward on.
-- Backward runs the forward's entries in reverse, each gathered again; a unit's gradient is
-  reduce-scattered once, after its last entry (its first call in forward): `last_use`.
-"""
+It starts as the listed order. A call further on in it means this rank skipped the units between:
+`forward` returns them, to gather and free all the same. A call it does not have next (a unit
+called again, or out of order) is made on demand, as FSDP2 makes every call, and the schedule
+becomes that forward's calls. Backward runs the entries in reverse (`last_use`: a unit's last)."""
 import collections
 
 
 class Schedule:
     def __init__(self, units):
-        self.order = list(units)  # the unit indices, as every rank expects forward to call them
-        self.ran, self.at, self.todo, self.back = [], 0, [], 0
+        self.order, self.todo, self.back = list(units), [], 0
 
-    # forward
     def start_forward(self):
         self.ran, self.called, self.at, self.learn = [], [], 0, False
 
@@ -29,12 +19,8 @@ class Schedule:
         """Forward calls unit `index`: the units before it in the schedule this rank skipped."""
         self.called.append(index)
         rest = self.order[self.at:]
-        if index not in rest:  # called again, or out of the order: on demand, as FSDP2
-            self.learn = True
-            skipped = []
-        else:
-            skipped = rest[:rest.index(index)]
-            self.at += len(skipped) + 1
+        skipped = rest[:rest.index(index)] if index in rest else []
+        self.at, self.learn = (self.at + len(skipped) + 1, self.learn) if index in rest else (self.at, True)
         self.ran += skipped + [index]
         return skipped
 
@@ -42,28 +28,21 @@ class Schedule:
         return self.order[self.at] if self.at < len(self.order) else None
 
     def end_forward(self):
-        """Forward is over: the schedule's units it did not reach here (to gather and free all the
-        same); backward's entries are set, and the schedule learns this forward's calls."""
-        skipped = self.order[self.at:]
+        """The units of the schedule this forward did not reach; backward's entries are set."""
+        skipped, self.order = self.order[self.at:], self.called if self.learn else self.order
         self.ran += skipped
-        if self.learn:
-            self.order = self.called
-        self.todo, self.back = self.ran[::-1], 0
-        self.uses = collections.Counter(self.ran)
+        self.todo, self.back, self.uses = self.ran[::-1], 0, collections.Counter(self.ran)
         return skipped
 
-    # backward
     def backward(self, index):
         """Backward reaches unit `index`: the entries before it this rank's backward skipped."""
-        rest = self.todo[self.back:]
-        if index not in rest:
-            raise RuntimeError(f"ZeRO3: unit {index}'s backward ran out of the reverse order of its forward calls "
-                               "(a second backward through one forward, or branches autograd ran in another order)")
-        self.back += rest.index(index) + 1
-        return rest[:rest.index(index)]
+        if not self.ahead(index):
+            raise RuntimeError(f"ZeRO3: unit {index}'s backward ran out of the reverse order of its forward calls")
+        skipped = self.todo[self.back:self.todo.index(index, self.back)]
+        self.back += len(skipped) + 1
+        return skipped
 
     def ahead(self, index):
-        """Whether backward has unit `index` still to run."""
         return index in self.todo[self.back:]
 
     def next_backward(self):
