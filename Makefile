@@ -16,6 +16,10 @@ setup:           ## make .venv when it is missing (pinned, torch first; PYTHON=.
 demo: setup      ## run every lesson at 2 ranks on CPU and print one comparison table
 	$(PY) -m scripts.learn.demo --nproc 2
 
+.PHONY: results
+results: setup   ## write docs/results.md's CPU table (make demo's) from runs of this checkout; make gpu-check writes its GPU part
+	$(PY) -m scripts.learn.results
+
 test: setup      ## the whole test suite (CPU, gloo)
 	$(PY) -m pytest -q tests
 

@@ -16,11 +16,20 @@ def main():
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--steps", type=at_least(1), default=40)
     a = p.parse_args()
+    rows = collect(a.nproc, a.precision, a.steps, echo=True)
+    print(f"\n{caption(a.nproc, a.precision, a.steps)}")
+    print("\n".join(table(rows)))
+
+
+def collect(nproc, precision, steps, echo=False):
+    """Every lesson at `nproc` CPU ranks: one row each, of what its report says."""
     rows = []
     for lesson in available_lessons():
-        print(f"\n=== {lesson}: torchrun --nproc_per_node={a.nproc} {lesson}.py "
-              f"--precision {a.precision} --steps {a.steps}", flush=True)
-        r = launch(lesson, a.nproc, ["--precision", a.precision, "--steps", a.steps], echo=True)
+        grid = grid_args(lesson, nproc)  # 08: two "nodes" of nproc / 2 ranks
+        if echo:
+            print(f"\n=== {lesson}: torchrun --nproc_per_node={nproc} {lesson}.py "
+                  f"--precision {precision} --steps {steps} {' '.join(grid)}".rstrip(), flush=True)
+        r = launch(lesson, nproc, ["--precision", precision, "--steps", steps, *grid], echo=echo)
         m, th = r["memory"]["per_rank"][0], r["memory"]["theory"]
         device, host = device_and_host(m)
         theory, theory_host, peak = th["total"], None, m["peak_params"]
@@ -28,23 +37,30 @@ def main():
             tiers = r["memory"]["theory_tiers"]
             theory, theory_host = sum(tiers["device"].values()), sum(tiers["host"].values())
             peak -= m["host"]["params"]  # its host shards live through the whole step; the rest is the device's
-        grid = grid_args(lesson, a.nproc)  # 08: two "nodes" of nproc / 2 ranks
         rows.append((f"{lesson} G={grid[1]}" if grid else lesson, r["losses"][-1],
                      1e3 * statistics.median(r["step_time_s"]),
                      r["comm"]["issued_ring_bytes_per_step"], r["comm"]["theory_ring_bytes_per_step"],
                      device, theory, peak, host, theory_host))
-    print(f"\n{a.nproc} ranks, {a.precision}, {a.steps} steps; bytes per rank (MiB); "
-          "issued = per optimizer step, the payloads the collectives asked for x ring factor (a count); "
-          "device = params + grads + optimizer state held at rest (measured); peak params = the most "
-          "parameter bytes on the device during the step; host = what 07 moved to host memory (on a CPU-only "
-          "machine the two tiers are one memory); 08 runs as two nodes of G ranks")
+    return rows
+
+
+def caption(nproc, precision, steps):
+    return (f"{nproc} ranks, {precision}, {steps} steps; bytes per rank (MiB); "
+            "issued = per optimizer step, the payloads the collectives asked for x ring factor (a count); "
+            "device = params + grads + optimizer state held at rest (measured); peak params = the most "
+            "parameter bytes on the device during the step; host = what 07 moved to host memory (on a CPU-only "
+            "machine the two tiers are one memory); 08 runs as two nodes of G ranks (--shard-group G)")
+
+
+def table(rows):
     header = f"{'lesson':<20} {'final loss':>10} {'step ms':>8} {'issued':>7} {'theory':>7} " \
              f"{'device':>7} {'theory':>7} {'peak params':>11} {'host':>7} {'theory':>7}"
-    print(header + "\n" + "-" * len(header))
+    lines = [header, "-" * len(header)]
     for lesson, loss, ms, *nbytes, host, theory_host in rows:
         cells = " ".join(f"{mib(b):>{w}.2f}" for b, w in zip(nbytes, (7, 7, 7, 7, 11)))
         tier = "" if host is None else f" {mib(host):>7.2f} {mib(theory_host):>7.2f}"
-        print(f"{lesson:<20} {loss:>10.4f} {ms:>8.1f} {cells}{tier}")
+        lines.append(f"{lesson:<20} {loss:>10.4f} {ms:>8.1f} {cells}{tier}")
+    return lines
 
 
 if __name__ == "__main__":

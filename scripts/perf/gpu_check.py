@@ -469,6 +469,10 @@ def check(a):
     write(a.out, out + done, {"machine": where, "rows": rows, "spread": widest,
                               "checks": [{"check": name, "ok": why is None, "why": why, "measured": measured}
                                          for name, why, measured in checks], "reports": reports})
+    if a.device == "cuda" and not a.quick:  # the GPU's numbers, where README and docs link to them
+        from scripts.learn import results
+        results.write_section("gpu", "\n".join(["## On GPUs", "", f"Machine: {results.machine()}, {where}. "
+                                                "`make gpu-check`.", "", *out[2:], *done]))
     if failures:
         print("gpu-check: FAILED: " + "; ".join(failures))
         return 1
