@@ -1,31 +1,26 @@
 """Lesson 00: the collectives themselves. Ring reduce-scatter, all-gather and all-reduce, written
 with point-to-point sends, checked against torch.distributed's own, their bytes counted.
 
-Every later lesson moves gradients and parameters with three collectives. On N ranks, each
-holding a tensor of Psi elements cut into N chunks:
+On N ranks, each holding a tensor of Psi elements cut into N chunks:
 - reduce-scatter: rank r ends with chunk r summed over all ranks;
 - all-gather: every rank ends with every rank's chunk;
-- all-reduce: every rank ends with the whole tensor summed: a reduce-scatter, then an all-gather.
-The ring runs each as N - 1 steps in which every rank sends one chunk (Psi / N elements) to its
-right neighbour and receives one from its left, all ranks at once:
+- all-reduce: every rank ends with the whole sum: a reduce-scatter, then an all-gather.
+The ring runs each as N - 1 steps; in each, every rank sends one chunk to its right neighbour:
 
     reduce-scatter, step s: send chunk (r - s - 1) mod N, add the received chunk (r - s - 2) mod N
-                            into my copy of it; after N - 1 steps chunk r holds all N terms
     all-gather,     step s: send chunk (r - s) mod N, store the received chunk (r - s - 1) mod N
 
-So each rank sends (N - 1) chunks: Psi (N-1)/N elements for a reduce-scatter or an all-gather,
-2 Psi (N-1)/N for an all-reduce, whatever N is, and the busiest link never carries more. That is
-why ZeRO (04, 05) can replace an all-reduce by a reduce-scatter and an all-gather at no extra
-traffic: that pair IS the all-reduce, pulled apart. Psi here is the lessons' GPT's parameter
-count (the gradient every lesson reduces), padded to a multiple of N.
+So a rank sends Psi (N-1)/N elements for a reduce-scatter or an all-gather and 2 Psi (N-1)/N for
+an all-reduce (the ring factor): ZeRO (04, 05) replaces an all-reduce by the pair at no extra
+traffic. Psi here is the lessons' GPT's parameter count, padded to a multiple of N.
 
     python 00_collectives.py                          # one process: nothing to send
     torchrun --nproc_per_node=2 00_collectives.py     # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=3 00_collectives.py     # any N: 3 is not a power of two
 
-PyTorch: dist.reduce_scatter_tensor, dist.all_gather_into_tensor, dist.all_reduce (NCCL and
-gloo pick their own algorithms: rings, trees, halving-doubling; gloo's reduce-scatter on CPU is
-an all-reduce underneath, which the wire bytes below show).
+PyTorch: dist.reduce_scatter_tensor, dist.all_gather_into_tensor, dist.all_reduce (NCCL and gloo
+pick their own algorithms; gloo's reduce-scatter on CPU is an all-reduce underneath, which the
+wire bytes show).
 """
 import json
 import time

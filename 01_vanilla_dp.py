@@ -1,31 +1,26 @@
 """Lesson 01: vanilla data parallelism. After backward, all-reduce every gradient.
 
 Every rank holds the whole model and the whole optimizer, runs forward and backward on its own
-slice of the global batch, and then averages the gradients across ranks, one blocking
-all-reduce per parameter. After that every rank holds the gradient of the global batch and
-takes the same optimizer step, so the replicas never drift apart.
-
-The training loop calls that itself, on the page, after the step's last `loss.backward()`:
+slice of the global batch, then averages the gradients across ranks, one blocking all-reduce
+per parameter. Every rank then holds the global batch's gradient and takes the same step, so
+the replicas never drift apart. The loop makes that call itself, on the page:
 
     for micro in range(K): (model(x, y) / K).backward()    # gradients accumulate in .grad
     model.all_reduce_gradients()                           # now every rank has the global mean
     optimizer.step()
 
-Wrap the model, build any torch.optim optimizer over
-`model.parameters()`; a loop written for PyTorch's `DistributedDataParallel` needs that one line
-more. 02 moves the call inside `loss.backward()`, as DDP does (hooks, the end-of-backward
-callback, `no_sync()`). In bf16, micro-steps' gradients add up in fp32, never in bf16:
-ddp.Replicas keeps their fp32 sum, and p.grad holds it rounded once, which is what the
-all-reduce moves (a bf16 running sum keeps 8 significant bits: a small micro-step's gradient
-can vanish in it whole). In fp16 the loop scales the loss, as with torch.amp.GradScaler
-(`scaler.scale(loss).backward()`, `scaler.step(optimizer)`, `scaler.update()`): fp16's range is
-narrow, and lessonkit/loss_scale.py says why and how.
+A loop written for PyTorch's `DistributedDataParallel` needs that one line more; 02 moves it
+inside `loss.backward()`, as DDP does. --precision bf16 and fp16 run the same algorithm on
+2-byte gradients: fp32 master weights (lessonkit/optimizers.py), micro-steps summed in fp32
+(lessonkit/ddp.py) and, for fp16, loss scaling (lessonkit/loss_scale.py).
 
     python 01_vanilla_dp.py                                  # one process (world size 1)
     torchrun --nproc_per_node=2 01_vanilla_dp.py             # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=4 01_vanilla_dp.py --device cuda   # 4 GPUs (nccl)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 01_vanilla_dp.py    # 2 nodes, run on each
+
+PyTorch: `torch.nn.parallel.DistributedDataParallel` (without its overlap: 02, 03).
 """
 import functools
 

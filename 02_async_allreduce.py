@@ -103,7 +103,6 @@ def main(argv=None):
     # weight decay on matrices and embeddings only (optimizers.decay_groups, as nanoGPT)
     optimizer = optimizers.MixedPrecisionAdamW(optimizers.decay_groups(model, args.weight_decay), args.grad_clip,
                                            **optimizers.adamw_kwargs(args))
-    # fp16: dynamic loss scaling, GradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "async_allreduce", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
@@ -123,7 +122,7 @@ def main(argv=None):
                 scaler.scale(loss).backward()  # the hooks launch the all-reduces; at its end, wait for them all
                 losses.append(loss)
             scaler.step(optimizer)  # fp16: unscaled in fp32; an inf or NaN on any rank: every rank skips it
-            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
+            scaler.update()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (rank 0 writes the replicated state)
     ### TRAINING SECTION END

@@ -1,33 +1,25 @@
 """Lesson 04: ZeRO-1. Shard the optimizer: reduce-scatter -> AdamW on my shard -> all-gather.
 
-In 01-03 every rank holds the whole optimizer: in bf16 mode, 12 bytes per parameter of fp32
-master weights and Adam moments, three times what the bf16 parameters and gradients take
-together, and the same on every rank. But every rank also computes the same update. ZeRO-1
-(Rajbhandari et al. 2020, "P_os") splits that work instead of repeating it: all trainable
-parameters live in one flat buffer cut into N equal shards, rank r keeps the optimizer state
-of shard r only and updates shard r only, then the ranks swap their updated shards.
+In 01-03 every rank holds the whole optimizer (in bf16: 12 bytes per parameter of fp32 master
+weights and Adam moments) and computes the same update. ZeRO-1 (Rajbhandari et al. 2020,
+"P_os") splits that work instead: the trainable parameters live in one flat buffer cut into N
+equal shards, and rank r keeps the optimizer state of shard r and updates shard r only.
 
-The all-reduce of 01 is itself a reduce-scatter followed by an all-gather (that is how a ring
-runs it). ZeRO-1 pulls the two halves apart and puts the optimizer step between them, so it
-sends exactly what 01 sends, 2 Psi (N-1)/N elements per rank per step, and holds 12 Psi / N
-bytes of optimizer state instead of 12 Psi.
+The all-reduce of 01 is a reduce-scatter followed by an all-gather (00). ZeRO-1 pulls the two
+apart and puts the optimizer step between them, so it sends what 01 sends, 2 Psi (N-1)/N
+elements per rank per step, and holds 12 Psi / N bytes of optimizer state instead of 12 Psi.
+After the reduce-scatter a rank sees only its shard of the gradient: clipping's norm and fp16's
+found-inf flag are each one all-reduced scalar.
 
     python 04_zero1.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 04_zero1.py                  # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=2 04_zero1.py --precision bf16 # the ZeRO paper's accounting
-    torchrun --nproc_per_node=2 04_zero1.py --precision fp16 # the same, with loss scaling
     torchrun --nproc_per_node=4 04_zero1.py --device cuda    # 4 GPUs (nccl)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 04_zero1.py         # 2 nodes, run on each
 
 PyTorch: `torch.distributed.optim.ZeroRedundancyOptimizer` (which shards the optimizer state
 but leaves gradients to DDP's all-reduce); DeepSpeed: ZeRO stage 1.
-
-In fp16 the loop scales the loss as 01-03 do (`scaler.scale(loss).backward()`,
-`scaler.step(optimizer)`, `scaler.update()`), and the check for an inf or NaN must now be
-global: after the reduce-scatter each rank holds only its shard of the gradient, so an overflow
-in rank 1's shard is invisible to rank 0 unless the found-inf flag is all-reduced (as clipping
-all-reduces its norm). lessonkit/loss_scale.py does that, once per step.
 """
 import functools
 import math
@@ -35,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from lessonkit import checkpoint, common, ddp, lifecycle, loss_scale, measure, optimizers
+from lessonkit import checkpoint, common, ddp, lifecycle, loss_scale, measure, optimizers, reshard
 from model import get_batch
 
 
@@ -105,7 +97,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # The optimizer on my shard only: fp32 master weights of it (in fp32 mode the shard is
         # its own master) and a real torch.optim optimizer over them, so Adam moments exist for
         # my shard alone, in the caller's param groups (weight decay on matrices only, say).
-        self.shard_optimizer = optimizers.ShardOptimizer(groups, [(self.params, self.param_shard, start)],
+        self.shard_optimizer = ShardOptimizer(groups, [(self.params, self.param_shard, start)],
                                                          optimizer_class, grad_clip, find_unused_parameters,
                                                          **defaults)
         super().__init__(self.shard_optimizer.masters, defaults)
@@ -174,6 +166,91 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self.shard_optimizer.optim.load_state_dict(state_dict)
 
 
+# ----------------------------------------------------------------------------- the step on my shard
+class ShardOptimizer:
+    """The optimizer step on my shards, 04's (and 05's): what runs between their reduce-scatter
+    and their all-gather, in one call, step(grad_shards).
+
+    groups    the caller's param groups (param_groups(params)), their options kept
+    shards    per flat buffer: (its parameters, laid back to back from offset 0; my shard of it,
+              a view of the buffer; where my shard starts in it)
+    optimizer_class, **defaults   any torch.optim optimizer and its arguments
+    grad_clip global-norm clipping across all shards; 0 turns it off
+    find_unused_parameters  as DDP's: a parameter no rank's backward reached is skipped, as one
+              process skips a parameter whose .grad is None (UsedParameters)
+
+    It holds fp32 master weights of my shards (in fp32 the shards are their own), and a real
+    torch.optim optimizer over them, so Adam's moments exist for my shards only. It steps one view
+    of the masters per parameter (`pieces`), in the caller's groups, as FSDP2's sees one tensor
+    per parameter: weight decay on some only, and a parameter without a gradient, as in one process.
+    """
+
+    def __init__(self, groups, shards, optimizer_class, grad_clip=0.0, find_unused_parameters=False, **defaults):
+        self.layouts, self.shards, self.starts = (list(x) for x in zip(*shards))
+        self.grad_clip = grad_clip
+        # in bf16 a copy, from the fp32 initial weights (a bf16 run starts where the fp32 run starts)
+        self.masters = [shard if shard.dtype == torch.float32 else _master_shard(params, start, shard.numel())
+                        for params, shard, start in shards]
+        # per flat buffer, per parameter with elements lo .. hi in my shard: (p, its offset in the
+        # buffer, lo, hi, their view in my master shard)
+        self.pieces = [[(p, at - lo, lo, hi, master[at - start:at - start + hi - lo])
+                        for p, lo, hi, at in reshard.parts([(p, p.numel()) for p in params], start, start + master.numel())]
+                       for params, start, master in zip(self.layouts, self.starts, self.masters)]
+        of = {}
+        for p, *_, piece in (x for pieces in self.pieces for x in pieces):
+            of.setdefault(p, []).append(piece)
+        inner = [{**g, "params": [x for p in g["params"] for x in of.get(p, [])]} for g in groups]
+        if not of:  # a rank holding no piece at all: torch.optim refuses an empty list
+            inner[0]["params"] = [torch.zeros(0, requires_grad=True)]
+        self.optim = optimizer_class(inner, **defaults)
+        self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
+        params = [p for g in groups for p in g["params"]]
+        self.used = optimizers.UsedParameters(params, self.shards[0].device) if find_unused_parameters else None
+        for p in params if self.used else ():  # fires once p's gradient is complete
+            p.register_post_accumulate_grad_hook(self.used.mark)
+
+    @torch.no_grad()
+    def step(self, grad_shards, unscale=None):
+        """grad_shards: per flat buffer, my shard of its global-batch mean gradient, any dtype; each
+        piece gets its slice in fp32 as .grad (None if unused). fp16: unscale (LossScaler's) divides
+        them by the scale, or says False (an inf or NaN in some rank's shard): every rank skips the
+        step, changing nothing. Else: clipped over every rank's shards, stepped, cast into my shards."""
+        unused = self.used.unused() if self.used else ()
+        grad_shards = [g.float() for g in grad_shards]  # (a no-op in fp32)
+        for pieces, grad_shard, start in zip(self.pieces, grad_shards, self.starts):
+            for p, offset, lo, hi, piece in pieces:
+                piece.grad = None if p in unused else grad_shard[offset + lo - start:offset + hi - start]
+        every_piece = [piece for pieces in self.pieces for *_, piece in pieces]
+        if unscale is None or unscale(grad_shards):  # (in place: the pieces' .grad are views of them)
+            if self.grad_clip > 0:
+                optimizers.clip_grad_norm_([x.grad for x in every_piece if x.grad is not None], self.grad_clip, self.shards[0].device)
+            self.optim.step()
+            for shard, master in zip(self.shards, self.masters):
+                shard.copy_(master)  # (in fp32 the same tensor)
+        for piece in every_piece:
+            piece.grad = None  # the gradient shards live only during the step
+
+    def checkpoint_shards(self, names, flat_params):
+        """For lessonkit/checkpoint.py, per flat buffer: all of it (every rank holds and loads it
+        whole), and per piece of my shard that part, its master and the optimizer's state for it."""
+        return [s for params, flat_param, pieces in zip(self.layouts, flat_params, self.pieces)
+                for s in reshard.flat_buffer_shards(names, params, flat_param, pieces, self.optim)]
+
+
+def _master_shard(params, start, numel):
+    """fp32 master weights for elements start .. start + numel of `params` laid back to back in one
+    flat buffer (padding: 0), each from master_weights(p): all hand theirs over, so none stays held."""
+    out = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
+    offset = 0
+    for p in params:
+        values = optimizers.master_weights(p)
+        lo, hi = max(start, offset), min(start + numel, offset + p.numel())
+        if lo < hi:
+            out[lo - start:hi - start] = values[lo - offset:hi - offset]
+        offset += p.numel()
+    return out
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoint_shards(optimizer, names):
     """For lessonkit/checkpoint.py: what a ZeRO1Optimizer holds, one flat buffer."""
@@ -187,7 +264,6 @@ def main(argv=None):
     model = common.build_model(args, env)
     optimizer = ZeRO1Optimizer(optimizers.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
                                torch.optim.AdamW, grad_clip=args.grad_clip, **optimizers.adamw_kwargs(args))
-    # fp16: dynamic loss scaling, GradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "zero1", model, optimizer, loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
@@ -206,7 +282,7 @@ def main(argv=None):
             # ZeRO-1 keeps the full gradient, so it communicates once per optimizer step (fp16:
             # unscaled in my shard, in fp32; an inf or NaN in any rank's shard: every rank skips 2)):
             scaler.step(optimizer)  # 1) reduce-scatter  2) AdamW on my shard  3) all-gather
-            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
+            scaler.update()
             optimizer.zero_grad(set_to_none=False)  # in place: the grads stay views, no copy
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END

@@ -1,46 +1,30 @@
 """Lesson 05: ZeRO-2. Shard the gradients too: buckets reduce-scatter during backward.
 
-ZeRO-1 (04) shards the optimizer but still holds the whole gradient on every rank, 2 Psi bytes
-in bf16, although after the reduce-scatter each rank uses 1/N of it. ZeRO-2 (Rajbhandari et al.
-2020, "P_os+g") never holds the whole gradient: backward fills the buckets of 03, each full
+ZeRO-1 (04) still holds the whole gradient on every rank, though each rank uses 1/N of it.
+ZeRO-2 (Rajbhandari et al. 2020, "P_os+g") never does: backward fills 03's buckets, each full
 bucket is reduce-scattered at once, while backward goes on, and a rank keeps only its slice of
-each bucket's averaged gradient. A full-size bucket buffer is freed once its reduce-scatter
-is done (at most two are in flight), so gradients take 2 Psi / N bytes plus the few buckets
-in flight or filling: the summary prints the peak measured during backward beside that bound.
-As in 03 and DDP, bucket 0 (the last layers) is capped at 1 MiB so that the first
-reduce-scatter starts early in backward. The saving needs a model many buckets long: at the
-default 25 MiB the default GPT (3.09 MiB of fp32 gradients) is two buckets, 0.76 and 2.33
-MiB, which together are the whole gradient at the end of backward; with --bucket-mb 0.25 it is
-22 buckets, and the peak stays below the whole gradient even at N = 2.
+each bucket's averaged gradient. A bucket's full buffer is freed once its reduce-scatter is
+done, so gradients take 2 Psi / N bytes plus the buckets in flight (the summary prints the peak
+beside that bound; the default GPT is two buckets: --bucket-mb 0.25 makes it many). Rank r owns
+slice r of every bucket's gradient, parameters and optimizer state; after the step each bucket
+is all-gathered: 2 Psi (N-1)/N elements per rank per step, as in 01 and 04.
 
-The shards follow the buckets: rank r owns slice r of every bucket, of its gradient, of its
-parameters (each bucket's parameters view one flat buffer) and of the optimizer state; after
-the step each bucket is all-gathered. Communication is the same as in 01 and 04:
-2 Psi (N-1)/N elements per rank per step.
+With --grad-accum K it reduce-scatters at every micro-step (as DeepSpeed stage 2 and FSDP2 do by
+default) and adds my slice into the fp32 gradient shard: K reduce-scatters a step, the price of
+never holding the whole gradient.
 
     python 05_zero2.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 05_zero2.py                  # 2 ranks on CPU (gloo)
-    torchrun --nproc_per_node=2 05_zero2.py --precision bf16 # the ZeRO paper's accounting
-    torchrun --nproc_per_node=2 05_zero2.py --precision fp16 # the same, with loss scaling (as 04)
-    torchrun --nproc_per_node=2 05_zero2.py --bucket-mb 0.25 # 22 buckets instead of 2
+    torchrun --nproc_per_node=2 05_zero2.py --bucket-mb 0.25 # many buckets: the peak stays low
     torchrun --nproc_per_node=4 05_zero2.py --device cuda    # 4 GPUs (nccl)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 05_zero2.py         # 2 nodes, run on each
 
-PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)` (the same communication, not the
-same memory: ZeRO-3's shards at rest, and every unit's whole parameters from forward to backward); DeepSpeed: ZeRO stage 2.
-
-Gradient accumulation (--grad-accum K): this lesson reduce-scatters on every micro-step and adds my
-slice into the gradient shard, as DeepSpeed stage 2 (and FSDP2 by default) do. In bf16, micro-steps'
-gradients add up in fp32, never in bf16 (fp16 likewise: the shard becomes fp32 at the second
-micro-step, 4 Psi / N bytes). The other choice, 04's, accumulating locally and reducing once, needs the
-whole gradient alive between micro-steps: 2 Psi bytes, and in bf16 or fp16 4 Psi more for its fp32
-sum, which is what this stage exists to remove.
-The price of keeping 2 Psi / N: K reduce-scatters per optimizer step, (K + 1) Psi (N-1)/N
-elements sent instead of 2 Psi (N-1)/N, each hidden behind its micro-step's backward as far
-as the bandwidth allows. Where memory is plenty and bandwidth scarce, ZeRO-1 accumulates for free.
+PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)` (the same communication; its
+parameters are sharded at rest, too); DeepSpeed: ZeRO stage 2.
 """
 import functools
+import importlib
 
 import torch
 import torch.distributed as dist
@@ -48,6 +32,8 @@ import torch.distributed as dist
 from bucket import BucketManager
 from lessonkit import checkpoint, common, ddp, lifecycle, loss_scale, measure, optimizers
 from model import get_batch
+
+zero1 = importlib.import_module("04_zero1")  # its step on my shards (ShardOptimizer), which 05 shares
 
 
 # ----------------------------------------------------------------------------- the strategy
@@ -122,7 +108,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                 dist.broadcast(p.data, src=0)
         # The optimizer on my shard of every bucket, as in 04: fp32 masters and a torch.optim
         # optimizer over them alone, in the caller's param groups.
-        self.shard_optimizer = optimizers.ShardOptimizer(groups, shards, optimizer_class, grad_clip,
+        self.shard_optimizer = zero1.ShardOptimizer(groups, shards, optimizer_class, grad_clip,
                                                          find_unused_parameters, **defaults)
         super().__init__(self.shard_optimizer.masters, defaults)
         self.param_groups = self.shard_optimizer.param_groups  # what an lr_scheduler sets is what steps
@@ -215,7 +201,6 @@ def main(argv=None):
                                torch.optim.AdamW, bucket_cap_mb=args.bucket_mb, grad_clip=args.grad_clip,
                                bucket_order=model.parameters(),  # bucket 0 = the last layers: fills first
                                **optimizers.adamw_kwargs(args))
-    # fp16: dynamic loss scaling, GradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "zero2", model, optimizer, loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
@@ -233,7 +218,7 @@ def main(argv=None):
                 losses.append(loss)  # full, every micro-step (no full gradient is kept); waited for at its end
             # (fp16: unscaled in my shards, in fp32; an inf or NaN in any rank's shards: every rank skips 2))
             scaler.step(optimizer)  # 2) AdamW on my shards  3) all-gather, bucket by bucket
-            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
+            scaler.update()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END

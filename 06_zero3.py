@@ -1,11 +1,9 @@
 """Lesson 06: ZeRO-3. Shard the parameters too: gather each unit just in time, free it after.
 
-ZeRO-2 (05) still keeps every parameter on every rank, 2 Psi bytes in bf16. ZeRO-3 (Rajbhandari
-et al. 2020, "P_os+g+p"; PyTorch's FSDP) divides them too. The model is cut into units (each
-transformer block, plus a root unit holding the tied embedding/head, the position embedding and
-the final norm); each unit's parameters are one flat buffer, padded to a multiple of N and split
-into N shards. At rest rank r holds shard r of every unit and nothing else: its parameters,
-gradients and optimizer state are all Psi / N. A unit is whole only while it computes:
+ZeRO-2 (05) still keeps every parameter on every rank; ZeRO-3 (Rajbhandari et al. 2020,
+"P_os+g+p"; PyTorch's FSDP) divides them too. The model is cut into units (each block, and a
+root unit: embeddings, final norm), each one flat buffer padded to a multiple of N and cut into
+N shards. Rank r keeps shard r of every unit; a unit is whole only while it computes:
 
     # 1) all-gather unit i           (issued one unit early: the prefetch, --prefetch 1)
     # 2) forward unit i
@@ -14,26 +12,17 @@ gradients and optimizer state are all Psi / N. A unit is whole only while it com
     # 5) reduce-scatter unit i's gradients once its backward is over; free them
     # 6) the optimizer on my shards (nothing to all-gather after it: the next forward gathers)
 
-Each step gathers every parameter twice and reduce-scatters every gradient once: 3 Psi (N-1)/N
-elements sent per rank, 1.5x what 01-05 send. Shaped like FSDP2: `parameters()` are my fp32
-shards, the master weights any torch.optim optimizer updates; a MixedPrecisionPolicy casts them
-to param_dtype in each all-gather. Every rank issues the same collectives in the same order,
-whatever its data did: lessonkit/schedule.py learns the order forward calls the units in (a
-unit called twice, or out of the listed order, or skipped by this rank's data), and a forward
-hook that fires inside backward is a checkpoint's recompute, which gathers only what is not.
+Each step sends 3 Psi (N-1)/N elements per rank, 1.5x what 01-05 send. Every rank issues the
+same collectives in the same order, whatever its data did (lessonkit/schedule.py).
 
     python 06_zero3.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 06_zero3.py                  # 2 ranks on CPU (gloo)
     torchrun --nproc_per_node=2 06_zero3.py --prefetch 0     # no prefetch: measure what it buys
-    torchrun --nproc_per_node=2 06_zero3.py --precision bf16 # gather, compute, reduce in bf16
-    torchrun --nproc_per_node=2 06_zero3.py --precision fp16 # the same in fp16, the loss scaled
-    torchrun --nproc_per_node=2 06_zero3.py --activation-checkpointing block  # recompute blocks
     torchrun --nproc_per_node=4 06_zero3.py --device cuda    # 4 GPUs (nccl)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 06_zero3.py         # 2 nodes, run on each
 
-PyTorch: FSDP2 `fully_shard(block)` for each block, then `fully_shard(model)` (FSDP1:
-ShardingStrategy.FULL_SHARD); DeepSpeed: ZeRO stage 3.
+PyTorch: FSDP2 `fully_shard(block)` for each block, then `fully_shard(model)`; DeepSpeed: stage 3.
 """
 import functools
 import math
@@ -461,7 +450,7 @@ def main(argv=None):
             if args.grad_clip > 0:
                 model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce
             scaler.step(optimizer)  # 6) AdamW on my shards (fp16: skipped on every rank if some rank found an inf)
-            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
+            scaler.update()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END

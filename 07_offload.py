@@ -1,48 +1,25 @@
 """Lesson 07: ZeRO-Offload. The master weights, gradients and optimizer step in host memory.
 
 06 holds (4 + 4 + 8) Psi / N bytes per rank on the accelerator: fp32 master shards, their
-gradients and Adam's two moments, in the accelerator's scarce memory, while the host beside it
-has several times more. ZeRO-Offload (Ren et al. 2021) and FSDP2's CPUOffloadPolicy move the
-fp32 master weights, their gradients and the optimizer state to the host and run the optimizer
-step there. The accelerator keeps only what computes: my shard of every unit in the working
-precision (2 Psi / N bytes in bf16), and a unit's whole parameters and gradient while gathered.
+gradients and Adam's moments, where memory is scarce and the host beside it has several times
+more. ZeRO-Offload (Ren et al. 2021) and FSDP2's CPUOffloadPolicy move those to the host and
+step there; the device keeps my shard in the working precision and a unit while gathered.
+07 is 06 (its units, hooks and collectives, imported) plus two copies per unit:
 
-07 is 06 (its units, hooks and collectives, imported) plus two copies per unit and step:
-
-    # 0) my updated shard, host -> device: every unit's at each forward (each micro-step), on a copy
+    # 0) my shard, host -> device: every unit's at each forward (each micro-step), on a copy
     #    stream, so they run while the first units compute; a unit's all-gather waits for its own
     # 1)-5) as 06: gather, forward, free, gather again, backward, reduce-scatter
-    # 5b) my gradient shard, device -> host, as soon as its reduce-scatter is done (copy stream)
-    # 6) the optimizer steps on the host: fp32 masters and moments (torch's foreach AdamW, CPU)
+    # 5b) my gradient shard, device -> host, once its reduce-scatter is done (copy stream)
+    # 6) the optimizer steps on the host: fp32 masters and moments
 
-Per micro-step each rank copies Psi / N parameters up and Psi / N gradients down: up in fp32,
-down in the working precision, added there into my shards' fp32 .grad (micro-steps add up in
-fp32, as in 06). A non-blocking copy between host and device converts the dtype
-on the device, so the fp32 master crosses and is cast there, as FSDP2's CPUOffloadPolicy does
-(4 + 2 bytes per element in bf16; DeepSpeed's CPU Adam writes a 2-byte copy in its step for
-"2x the model's size over PCIe", 2 + 2). Every unit is cut evenly over all ranks (06's shards),
-so every rank copies the same bytes at the same time. The units are chunks: `--chunk-mb MB` packs
-the blocks, whole and in the order forward runs them, into chunks of at most MB MiB of fp32
-weights (0, the default: a block each, 06's units), each one unit gathered, freed, reduced and
-copied as one (FSDP2: `fully_shard([block0, block1])`). Larger chunks: fewer and larger
-collectives and copies, and more memory while one is gathered.
-`--layout uneven` runs the older layout instead, to measure it: each unit whole on one rank (as
-ZeRO-Offload's first chunk layouts and ColossalAI's before its even chunks), so the rank owning
-the largest units holds, copies and steps the most: where the copies cross PCIe, it sets
-everyone's pace (the summary prints its share; this CPU's memory copies do not show the wait).
-
-On CUDA the host tier is pinned memory, so the copies are asynchronous DMA beside the kernels,
-and the summary says how much of the copy time was hidden: CUDA events time how long a gather
-waited for its upload and the optimizer for the last download. On a CPU-only machine both
-tiers are the same memory: the lesson runs the same schedule with plain copies, and says so.
+On CUDA the host tier is pinned memory, the copies overlap the kernels, and the summary says
+how much copy time was hidden; on a CPU-only machine both tiers are one memory, and it says so.
+`--chunk-mb MB` packs blocks into larger units (FSDP2's fully_shard([...])).
 
     python 07_offload.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 07_offload.py                  # 2 ranks on CPU (gloo)
-    torchrun --nproc_per_node=2 07_offload.py --precision bf16 # 2 bytes per parameter on the device
-    torchrun --nproc_per_node=2 07_offload.py --precision fp16 # the same, the loss scaled (06's loop)
+    torchrun --nproc_per_node=2 07_offload.py --chunk-mb 1.6   # two blocks a unit
     torchrun --nproc_per_node=4 07_offload.py --device cuda    # 4 GPUs (nccl), pinned host memory
-    torchrun --nproc_per_node=2 07_offload.py --chunk-mb 1.6   # two blocks a chunk: fewer, larger collectives
-    torchrun --nproc_per_node=2 07_offload.py --layout uneven --vocab-size 8192  # the older layout
 
 PyTorch: FSDP2 `fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=True))`;
 DeepSpeed: ZeRO-Offload (`offload_optimizer: {device: cpu}`).
@@ -256,7 +233,6 @@ def main(argv=None):
     model = build_model(args, env)
     # any optimizer, over my shards on the host: it steps there (foreach: one kernel per op)
     optimizer = torch.optim.AdamW(optimizers.decay_groups(model, args.weight_decay), **optimizers.adamw_kwargs(args))
-    # fp16: dynamic loss scaling, ShardedGradScaler's calls (lessonkit/loss_scale.py); other precisions: the identity
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "offload", model.module, optimizer, holders=[model], loss_scaler=scaler)
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model.module,  # --checkpoint-dir
@@ -276,7 +252,7 @@ def main(argv=None):
             if args.grad_clip > 0:
                 model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce, on the device
             scaler.step(optimizer)  # 6) AdamW on my shards, on the host (fp16: skipped on every rank or none)
-            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
+            scaler.update()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (each rank its shard)
     ### TRAINING SECTION END

@@ -1,16 +1,8 @@
 """Lesson 08: hybrid sharding (HSDP). Shard inside a group of G ranks (a node), replicate across groups.
 
-06 sends 3 Psi (N-1)/N per rank per step, and at scale most of the N ranks sit on other nodes:
-inside a node NVLink carries about 370-480 GB/s, across nodes a 400 Gb/s NIC about 46-48. HSDP
-(FSDP2 over a 2-D device mesh; FSDP1's HYBRID_SHARD) runs 06 inside each node only and keeps a
-replica of the whole sharded model on every node. The N = R x G ranks form a grid:
-
-    rank r is in shard group r // G (ranks kG .. kG+G-1: one node; torchrun numbers a node's
-    ranks consecutively) and in replicate group r % G (ranks j, j+G, j+2G, ...: the ranks that
-    hold the same shard, one per node)
-
-Every unit is cut into G shards, not N: at rest each rank holds (4 + 4 + 8) Psi / G bytes. One
-step is 06's, with the collectives inside the shard group, plus one all-reduce across replicas:
+06 sends 3 Psi (N-1)/N per rank per step, at scale mostly to other nodes, over slower links.
+HSDP runs 06 inside each node only and keeps a replica of the sharded model on every node. The N = R x G ranks form a grid: rank r is
+in shard group r // G (a node's consecutive ranks) and replicate group r % G (one rank a node):
 
     # 1) all-gather unit i inside my shard group      (the fast link; prefetched as in 06)
     # 2) forward unit i
@@ -20,46 +12,17 @@ step is 06's, with the collectives inside the shard group, plus one all-reduce a
     # 5b) all-reduce that gradient shard across my replicate group: summed over every rank
     # 6) the optimizer on my shard (Psi / G), the same update on every replica
 
-Per rank and step: intra 3 Psi (G-1)/G (06's traffic at world size G) and inter 2 (Psi/G)(R-1)/R,
-a ring all-reduce of a shard G times smaller than DDP's gradient. The gradient is the global
-batch's mean: each rank divides by N once, before 5), and 5) and 5b) add up the rest. Clipping
-sums the squared norms of my shards over my shard group only: my replicas hold the same shards,
-and counted over all N ranks each element would count R times. fp16's found-inf flag is
-all-reduced over all N ranks (a flag counted R times is still raised): after 5b) an inf in my
-shard is in my replicas' too, but every rank's verdict is the rule that needs no such argument.
-With K micro-steps, 5b) runs at each (3 K Psi (G-1)/G and 2 K (Psi/G)(R-1)/R), as FSDP2 does
-unless told set_requires_all_reduce.
-G defaults to the node, torchrun's LOCAL_WORLD_SIZE: on one node that is N, and 08 runs as 06;
-on 2 nodes of 8 GPUs, G = 8 without a flag.
-G = N is 06 exactly (the replicate groups hold one rank each: 5b)'s calls move nothing, though
-the summary counts them); G = 1 is replication, DDP's
-all-reduce of the whole gradient (Psi/1), with the gathers and reduce-scatters over one rank
-copying.
+Per rank and step: intra 3 Psi (G-1)/G, inter 2 (Psi/G)(R-1)/R. G defaults to torchrun's
+LOCAL_WORLD_SIZE: on one node G = N, which is 06; --shard-group 1 is replication (DDP's
+traffic). MiCS (Zhang et al. 2022) is this grid.
 
-Relatives, each in a paragraph:
-- ZeRO++'s hpZ (Wang et al. 2023, DeepSpeed `zero_hpz_partition_size`) keeps ZeRO-3's primary
-  partition over all N ranks (optimizer state and gradients Psi / N) and adds a secondary copy of
-  the parameters sharded inside the node: forward gathers over all N ranks, then keeps the node's
-  shard, so backward's all-gather stays inside the node. One of the three collectives moves to the
-  fast link, at the price of Psi / G more parameter bytes; here all three do, and every state is
-  Psi / G.
-- MiCS (Zhang et al. 2022; DeepSpeed `mics_shard_size`) is this grid: shard inside a partition
-  group, replicate across. It adds a hierarchical all-gather for partition groups that span
-  nodes, and with gradient accumulation it syncs across the replicas once, at the last
-  micro-step (its "2-hop" synchronisation), where 08 all-reduces at every micro-step (the
-  micro-steps then add up in my shards' fp32 gradients, as in 06).
-
-    python 08_hybrid.py                                              # one process (world size 1)
     torchrun --nproc_per_node=4 08_hybrid.py --shard-group 2         # 2 x 2 on CPU (gloo)
-    torchrun --nproc_per_node=2 08_hybrid.py --shard-group 1         # 2 replicas of one shard: DDP
-    torchrun --nproc_per_node=4 08_hybrid.py --shard-group 4         # one group: plain ZeRO-3 (06)
-    torchrun --nproc_per_node=4 08_hybrid.py --shard-group 2 \\
-             --link 10:5 --inter-link 0.5:100                        # 2 x 2 on 00's ring, a slow link between "nodes"
+    torchrun --nproc_per_node=2 08_hybrid.py --shard-group 1         # 2 replicas of one shard
+    torchrun --nproc_per_node=4 08_hybrid.py --shard-group 2 --link 10:5 --inter-link 0.5:100
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
-             --rdzv-endpoint=HOST:29500 08_hybrid.py                 # shard in each node (G = 8), run on each
+             --rdzv-endpoint=HOST:29500 08_hybrid.py                 # G = 8, run on each node
 
-PyTorch: FSDP2 `fully_shard(block, mesh=init_device_mesh(device, (R, G), mesh_dim_names=("replicate",
-"shard")))` for each block, then the root (FSDP1: ShardingStrategy.HYBRID_SHARD); DeepSpeed: MiCS.
+PyTorch: FSDP2 `fully_shard` over a 2-D mesh (R, G) (FSDP1: HYBRID_SHARD); DeepSpeed: MiCS.
 """
 import functools
 import importlib
@@ -185,7 +148,7 @@ def main(argv=None):
             if args.grad_clip > 0:
                 model.clip_grad_norm_(args.grad_clip)  # one scalar all-reduce, over my shard group
             scaler.step(optimizer)  # 6) AdamW on my shards, the same on every replica (fp16: or skipped on all)
-            scaler.update()  # fp16: the scale halves after a skipped step, doubles after 2000 clean ones
+            scaler.update()
             optimizer.zero_grad()
         ckpt.maybe_save(step + 1)  # every --save-every steps (shard group 0 writes: 06's files at world G)
     ### TRAINING SECTION END

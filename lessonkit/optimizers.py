@@ -1,14 +1,13 @@
 """The optimizer side the lessons share: AdamW with fp32 master weights for 01-03
-(MixedPrecisionAdamW), the step on my shards that 04 and 05 run between their reduce-scatter and
-their all-gather (ShardOptimizer), clipping across shards and find_unused_parameters (06 too),
-the learning-rate schedule and nanoGPT's weight-decay groups.
+(MixedPrecisionAdamW), clipping across shards and find_unused_parameters (04-08), the
+learning-rate schedule and nanoGPT's weight-decay groups. (04's ShardOptimizer is on its page.)
 """
 import math
 
 import torch
 import torch.distributed as dist
 
-from lessonkit.reshard import FlatShard, flat_buffer_shards, parts
+from lessonkit.reshard import FlatShard
 
 
 # ----------------------------------------------------------------------------- sharded optimizers (04-06)
@@ -25,90 +24,6 @@ def param_groups(params):
         out.append({**g, "params": [p for p in ps if p.requires_grad]})
         frozen += [p for p in ps if not p.requires_grad]
     return out, frozen
-
-
-class ShardOptimizer:
-    """The optimizer step on my shards, 04's and 05's: what runs between their reduce-scatter
-    and their all-gather, in one call, step(grad_shards).
-
-    groups    the caller's param groups (param_groups(params)), their options kept
-    shards    per flat buffer: (its parameters, laid back to back from offset 0; my shard of it,
-              a view of the buffer; where my shard starts in it)
-    optimizer_class, **defaults   any torch.optim optimizer and its arguments
-    grad_clip global-norm clipping across all shards; 0 turns it off
-    find_unused_parameters  as DDP's: a parameter no rank's backward reached is skipped, as one
-              process skips a parameter whose .grad is None (UsedParameters)
-
-    It holds fp32 master weights of my shards (in fp32 the shards are their own), and a real
-    torch.optim optimizer over them, so Adam's moments exist for my shards only. It steps one view
-    of the masters per parameter (`pieces`), in the caller's groups, as FSDP2's sees one tensor
-    per parameter: weight decay on some only, and a parameter without a gradient, as in one process.
-    """
-
-    def __init__(self, groups, shards, optimizer_class, grad_clip=0.0, find_unused_parameters=False, **defaults):
-        self.layouts, self.shards, self.starts = (list(x) for x in zip(*shards))
-        self.grad_clip = grad_clip
-        # in bf16 a copy, from the fp32 initial weights (a bf16 run starts where the fp32 run starts)
-        self.masters = [shard if shard.dtype == torch.float32 else _master_shard(params, start, shard.numel())
-                        for params, shard, start in shards]
-        # per flat buffer, per parameter with elements lo .. hi in my shard: (p, its offset in the
-        # buffer, lo, hi, their view in my master shard)
-        self.pieces = [[(p, at - lo, lo, hi, master[at - start:at - start + hi - lo])
-                        for p, lo, hi, at in parts([(p, p.numel()) for p in params], start, start + master.numel())]
-                       for params, start, master in zip(self.layouts, self.starts, self.masters)]
-        of = {}
-        for p, *_, piece in (x for pieces in self.pieces for x in pieces):
-            of.setdefault(p, []).append(piece)
-        inner = [{**g, "params": [x for p in g["params"] for x in of.get(p, [])]} for g in groups]
-        if not of:  # a rank holding no piece at all: torch.optim refuses an empty list
-            inner[0]["params"] = [torch.zeros(0, requires_grad=True)]
-        self.optim = optimizer_class(inner, **defaults)
-        self.param_groups = self.optim.param_groups  # what an lr_scheduler sets is what steps
-        params = [p for g in groups for p in g["params"]]
-        self.used = UsedParameters(params, self.shards[0].device) if find_unused_parameters else None
-        for p in params if self.used else ():  # fires once p's gradient is complete
-            p.register_post_accumulate_grad_hook(self.used.mark)
-
-    @torch.no_grad()
-    def step(self, grad_shards, unscale=None):
-        """grad_shards: per flat buffer, my shard of its global-batch mean gradient, any dtype; each
-        piece gets its slice in fp32 as .grad (None if unused). fp16: unscale (LossScaler's) divides
-        them by the scale, or says False (an inf or NaN in some rank's shard): every rank skips the
-        step, changing nothing. Else: clipped over every rank's shards, stepped, cast into my shards."""
-        unused = self.used.unused() if self.used else ()
-        grad_shards = [g.float() for g in grad_shards]  # (a no-op in fp32)
-        for pieces, grad_shard, start in zip(self.pieces, grad_shards, self.starts):
-            for p, offset, lo, hi, piece in pieces:
-                piece.grad = None if p in unused else grad_shard[offset + lo - start:offset + hi - start]
-        every_piece = [piece for pieces in self.pieces for *_, piece in pieces]
-        if unscale is None or unscale(grad_shards):  # (in place: the pieces' .grad are views of them)
-            if self.grad_clip > 0:
-                clip_grad_norm_([x.grad for x in every_piece if x.grad is not None], self.grad_clip, self.shards[0].device)
-            self.optim.step()
-            for shard, master in zip(self.shards, self.masters):
-                shard.copy_(master)  # (in fp32 the same tensor)
-        for piece in every_piece:
-            piece.grad = None  # the gradient shards live only during the step
-
-    def checkpoint_shards(self, names, flat_params):
-        """For lessonkit/checkpoint.py, per flat buffer: all of it (every rank holds and loads it
-        whole), and per piece of my shard that part, its master and the optimizer's state for it."""
-        return [s for params, flat_param, pieces in zip(self.layouts, flat_params, self.pieces)
-                for s in flat_buffer_shards(names, params, flat_param, pieces, self.optim)]
-
-
-def _master_shard(params, start, numel):
-    """fp32 master weights for elements start .. start + numel of `params` laid back to back in one
-    flat buffer (padding: 0), each from master_weights(p): all hand theirs over, so none stays held."""
-    out = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
-    offset = 0
-    for p in params:
-        values = master_weights(p)
-        lo, hi = max(start, offset), min(start + numel, offset + p.numel())
-        if lo < hi:
-            out[lo - start:hi - start] = values[lo - offset:hi - offset]
-        offset += p.numel()
-    return out
 
 
 @torch.no_grad()
