@@ -60,7 +60,7 @@ def restart_advice():
     """A line for a job torchrun may restart (--max-restarts) in the store it shares with its
     workers (torch's default since 2.5), else None. That store outlives every attempt, with the
     addresses the last attempt's ranks left in it: a restarted rank may read one before rank 0
-    rewrites it, then fail to connect or hang (gloo, torch 2.13: 3 restarts of 6 here; NCCL:
+    rewrites it, then fail to connect or hang (gloo, torch 2.13: about half the restarts; NCCL:
     pytorch/pytorch#135712). With the variable set, each attempt gets a new store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
         return ("warning: torchrun --max-restarts with its shared store: a restart may read the last attempt's "

@@ -5,7 +5,7 @@ against FSDP2 grouping the same blocks.
 
 On this CPU-only machine both tiers are host memory and the copies are plain ones; the ledger
 tells the tiers apart by role (07's device_tier()). The CUDA path (pinned memory, the copy stream,
-its events) runs in `make gpu-check` (docs/gpus.md has a run on an H100). Worlds 2 and 3 are
+its events) runs in `make gpu-check` (docs/results.md has its GPU run). Worlds 2 and 3 are
 drawn by the fuzzer (tests/fuzz.py holds 07 to FSDP2 and one process in every case)."""
 import contextlib
 import copy

@@ -13,8 +13,7 @@ are compared after every step.
     07          the same, against fully_shard with CPUOffloadPolicy (FSDP2's object, passed to both)
 
 At 2 ranks: what is checked here is the interface, one loop for both; every lesson's own tests
-and the fuzzer hold it to one process and its counterpart at 4 ranks (this file ran at 2 and 4
-until lesson 07's tests needed the suite's time: the 4-rank runs were 35 of its 47 s).
+and the fuzzer hold it to one process and its counterpart at 4 ranks.
 """
 import contextlib
 import copy

@@ -3,9 +3,7 @@ figures. The notebooks assert what they show (every lesson's memory and communic
 the ZeRO paper, gloo's wire bytes), so a wrong number fails here as an error in a cell.
 
 Quick mode (NOTEBOOK_QUICK=1): world sizes 1, 2 and 4, three message sizes for the bandwidth;
-one torchrun launch for all world sizes, shared by the two notebooks. Under a minute on 2
-cores (44 s measured alone, 2026-11-27; the at-scale notebook took 94 s more before the cost
-model stopped summing its buckets once per bucket).
+one torchrun launch for all world sizes, shared by the two notebooks.
 """
 import os
 

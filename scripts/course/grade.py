@@ -12,7 +12,7 @@ scripts/course/plugin.py: each test has a time limit, the run as a whole another
 are recorded as tests end. So a student's edited tests or support modules change nothing, and a
 lesson that hangs costs that lesson's tests only. tests/points.toml says which tests grade which
 lesson (visible ones, shipped in the edition, and hidden ones), their weights, and the 4-rank
-launches the grader skips (it runs 1, 2 and, hidden, 3 ranks: docs/course.md has the timings).
+launches the grader skips (it runs 1, 2 and, hidden, 3 ranks; grades.csv's seconds column says how long each took).
 
 A lesson that `uses` a graded file it does not own (05: bucket.py, 03's) and loses points while
 that file fails its own tests is graded again with this checkout's copy of it, and the table says

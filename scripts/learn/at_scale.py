@@ -74,8 +74,8 @@ def table(w, cluster, worlds, stages, shard_groups=()):
 
 
 # ----------------------------------------------------------------------------- HSDP or ZeRO-3?
-# "Beats" takes more than 1%: the model is not sharper than that (docs/at_scale.md: the lessons
-# on a simulated link within 6%, torchtitan's throughput within 9-11%).
+# "Beats" takes more than 1%: the model is not sharper than that (make calibrate-link holds it
+# to the lessons on a simulated link within its bound; docs/at_scale.md).
 MARGIN = 0.01
 
 

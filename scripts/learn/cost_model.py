@@ -125,7 +125,7 @@ RING_STEP_LATENCY = {"nvlink4": 3.4e-6, "nvlink3": 3.4e-6, "ndr400": 14e-6, "hdr
 EFFICIENCY = 0.40
 
 
-# Measured on one H100 of this project's (docs/gpus.md, make gpu-check): 07 copied 113.5 MiB up in
+# Measured on one H100 with make gpu-check: 07 copied 113.5 MiB up in
 # 2.3 ms over PCIe Gen5 x16, ~52 GB/s (64 GB/s line rate); its CPU AdamW (torch's foreach, 16
 # cores) stepped 29.7M parameters in ~33 ms, ~0.9e9 parameters/s, taken here as one GPU's share
 # of its host. A100: PCIe Gen4 x16, half the line rate; the same CPU. A copy's alpha, 10 us (Host's
