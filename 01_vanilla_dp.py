@@ -11,8 +11,9 @@ the replicas never drift apart. The loop makes that call itself, on the page:
 
 A loop written for PyTorch's `DistributedDataParallel` needs that one line more; 02 moves it
 inside `loss.backward()`, as DDP does. --precision bf16 and fp16 run the same algorithm on
-2-byte gradients: fp32 master weights (lessonkit/optimizers.py), micro-steps summed in fp32
-(lessonkit/ddp.py) and, for fp16, loss scaling (lessonkit/loss_scale.py).
+2-byte gradients: fp32 master weights (lessonkit/optimizers.py), loss scaling for fp16
+(lessonkit/loss_scale.py). In bf16, micro-steps' gradients add up in fp32, never in bf16
+(lessonkit/ddp.py): a bf16 running sum would lose a small micro-step's gradient whole.
 
     python 01_vanilla_dp.py                                  # one process (world size 1)
     torchrun --nproc_per_node=2 01_vanilla_dp.py             # 2 ranks on CPU (gloo)

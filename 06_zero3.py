@@ -123,8 +123,8 @@ class ZeRO3(nn.Module):
     shard_group    the ranks each unit is cut over (None: all of them; 08 passes its "node")
 
     `parameters()` are my shards (flat, under the module's names): build any optimizer over them.
-    `loss.backward()` leaves each shard's averaged gradient in its fp32 `.grad`, where micro-steps
-    add up. `clip_grad_norm_(max_norm)` clips across all ranks' shards, as FSDP1's method does.
+    `loss.backward()` leaves each shard's averaged gradient in its fp32 `.grad`: In bf16, micro-steps'
+    gradients add up in fp32, never in bf16. `clip_grad_norm_(max_norm)` clips across all shards.
     """
 
     def __init__(self, module, units=(), mp_policy=None, param_init_fn=None, prefetch=True, device=None,

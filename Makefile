@@ -20,8 +20,12 @@ demo: setup      ## run every lesson at 2 ranks on CPU and print one comparison 
 results: setup   ## write docs/results.md's CPU table (make demo's) from runs of this checkout; make gpu-check writes its GPU part
 	$(PY) -m scripts.learn.results
 
-test: setup      ## the whole test suite (CPU, gloo)
-	$(PY) -m pytest -q tests
+test: setup      ## the fast tier (CPU, gloo): every lesson at 1-3 ranks against one process and PyTorch; LESSON=05: that lesson's tests only
+	LESSON=$(LESSON) $(PY) -m pytest -q tests -m "not slow"
+
+.PHONY: test-all
+test-all: setup  ## the slow tier: 4 ranks, the course kit, notebooks, tools, checkpoints, timing (.ci/run runs both tiers)
+	$(PY) -m pytest -q tests -m slow
 
 bench: setup     ## every lesson against its PyTorch counterpart, interleaved: runs/bench/bench.{md,json,png}
 	$(PY) -m scripts.perf.bench
