@@ -2,6 +2,7 @@
 
     make results        # every lesson at 2 ranks on CPU (make demo's table), written with one
                         # header line: the machine, torch and the commit it ran
+    make results TIERS=1   # also time the test tiers (make test, make test LESSON=05, make test-all)
 
 The GPU section is `make gpu-check`'s (scripts/perf/gpu_check.py writes it where a GPU ran it);
 each section is replaced whole by the target that measures it, the others kept as they are.
@@ -11,11 +12,12 @@ import platform
 import re
 import subprocess
 import sys
+import time
 
 import torch
 
 from scripts.learn import demo
-from scripts.runs import ROOT, tool_main
+from scripts.runs import ROOT, Parser, tool_main
 
 PATH = os.path.join(ROOT, "docs", "results.md")
 TITLE = "# Results\n\nMeasured by the make targets named in each section, on the machine its first line names.\n"
@@ -45,7 +47,28 @@ def write_section(name, body):
         f.write(text)
 
 
+TIERS = [("make test", {}), ("make test LESSON=05", {"LESSON": "05"}), ("make test-all", None)]
+
+
+def tiers():
+    """Each test tier's wall time, run as its make target runs it (pytest, in this interpreter)."""
+    rows = []
+    for name, env in TIERS:
+        marks = "slow" if env is None else "not slow"
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests", "-m", marks, "-p", "no:cacheprovider"],
+                              cwd=ROOT, env=dict(os.environ, LESSON="", **(env or {})), capture_output=True, text=True)
+        last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+        rows.append(f"| `{name}` | {time.monotonic() - t0:.0f} s | {last.strip('= ')} |")
+    return "\n".join(["## The test tiers", "", f"Machine: {machine()}. `make results TIERS=1`, one tier after the "
+                      "other on an otherwise idle machine.", "", "| tier | wall | pytest's last line |", "|---|---:|---|",
+                      *rows])
+
+
 def main():
+    p = Parser("results", description=__doc__)
+    p.add_argument("--tiers", action="store_true", help="also time the test tiers")
+    a = p.parse_args()
     nproc, precision, steps = 2, "fp32", 40
     rows = demo.collect(nproc, precision, steps, echo=True)
     write_section("cpu", "\n".join([
@@ -53,6 +76,8 @@ def main():
         f"Machine: {machine()}. `make results` (the table `make demo` prints).", "",
         demo.caption(nproc, precision, steps) + ".", "",
         "```", *demo.table(rows), "```"]))
+    if a.tiers:
+        write_section("tiers", tiers())
     print(f"wrote {os.path.relpath(PATH, ROOT)}")
 
 
