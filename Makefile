@@ -66,7 +66,7 @@ grade-class: setup ## grade a folder of submissions (directories, .zip, .tar.gz)
 	$(PY) -m scripts.course.grade_class $(SUBMISSIONS) --out $(or $(GRADES),.)
 
 gpu-check: setup ## on a machine with GPUs: every lesson on CUDA/nccl (00 at 2+ GPUs), fp32, bf16 (where the GPUs have it) and fp16, one table (runs/gpu_check/); exits 1 on a NaN, a short run or a loss off; no GPU: says so
-	$(PY) -m scripts.perf.gpu_check
+	$(PY) -m scripts.perf.gpu_check --results
 
 .PHONY: fuzz
 fuzz: setup      ## the differential fuzzer: FUZZ_EXAMPLES cases (default 300) vs DDP/ZeRO/FSDP2 and one process; FUZZ_SEED=, FUZZ_SHRINK=1, FUZZ_LESSONS=04,05

@@ -45,11 +45,9 @@ def collect(nproc, precision, steps, echo=False):
 
 
 def caption(nproc, precision, steps):
-    return (f"{nproc} ranks, {precision}, {steps} steps; bytes per rank (MiB); "
-            "issued = per optimizer step, the payloads the collectives asked for x ring factor (a count); "
-            "device = params + grads + optimizer state held at rest (measured); peak params = the most "
-            "parameter bytes on the device during the step; host = what 07 moved to host memory (on a CPU-only "
-            "machine the two tiers are one memory); 08 runs as two nodes of G ranks (--shard-group G)")
+    return (f"{nproc} ranks, {precision}, {steps} steps; MiB per rank; issued: per step, asked for x ring factor; "
+            "device: params + grads + optimizer at rest (measured); peak params: the most parameter bytes "
+            "during the step; host: 07's host tier; 08 as two nodes of G ranks")
 
 
 def table(rows):

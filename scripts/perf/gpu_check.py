@@ -122,6 +122,7 @@ def parse():
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: the same checks on CPU with gloo, 2 ranks (the test suite's way in)")
     p.add_argument("--out", default="runs/gpu_check", help="where the table and every report go")
+    p.add_argument("--results", action="store_true", help="also write the table into docs/results.md (make gpu-check)")
     p.add_argument("--lessons", nargs="+", default=CHECKED, choices=CHECKED, metavar="LESSON",
                    help="only these (default: all, 01_vanilla_dp ... 08_hybrid)")
     a = p.parse_args()
@@ -469,7 +470,7 @@ def check(a):
     write(a.out, out + done, {"machine": where, "rows": rows, "spread": widest,
                               "checks": [{"check": name, "ok": why is None, "why": why, "measured": measured}
                                          for name, why, measured in checks], "reports": reports})
-    if a.device == "cuda" and not a.quick:  # the GPU's numbers, where README and docs link to them
+    if a.results and a.device == "cuda" and not a.quick:  # the GPU's numbers, where README and docs link to them
         from scripts.learn import results
         results.write_section("gpu", "\n".join(["## On GPUs", "", f"Machine: {results.machine()}, {where}. "
                                                 "`make gpu-check`.", "", *out[2:], *done]))
