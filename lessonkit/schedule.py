@@ -19,8 +19,11 @@ class Schedule:
         """Forward calls unit `index`: the units before it in the schedule this rank skipped."""
         self.called.append(index)
         rest = self.order[self.at:]
-        skipped = rest[:rest.index(index)] if index in rest else []
-        self.at, self.learn = (self.at + len(skipped) + 1, self.learn) if index in rest else (self.at, True)
+        if index in rest:
+            skipped = rest[:rest.index(index)]
+            self.at += len(skipped) + 1
+        else:  # called again, or out of the order: on demand, as FSDP2; learned at the end
+            skipped, self.learn = [], True
         self.ran += skipped + [index]
         return skipped
 
