@@ -41,6 +41,7 @@ class AsyncAllReduceDP(ddp.Replicated):
         # that is ready early waits for the ones before it (DDP's buckets keep a fixed order too).
         self.order = [p for p in reversed(list(module.parameters())) if p.requires_grad]
         self.ready, self.launched = set(), 0  # this backward's ready gradients; order[:launched] went
+        self.queued_in = None  # the backward whose end runs finish_gradient_synchronization
         # Which autograd event: a post-accumulate-grad hook runs after autograd has added this
         # backward's gradient into p.grad, and it is passed the parameter, not a gradient. p.grad
         # is then exactly what the optimizer will read: both uses of the tied embedding/head
@@ -55,9 +56,14 @@ class AsyncAllReduceDP(ddp.Replicated):
     def _grad_ready(self, p):
         if not self.require_backward_grad_sync:  # no_sync(), a non-final micro-step: accumulate
             return
-        # Wait for them all once backward is over, inside loss.backward(), as DDP does: the loop
-        # written for DDP calls nothing else before optimizer.step().
-        self.at_end_of_backward(self.finish_gradient_synchronization)
+        backward = torch._C._current_graph_task_id()  # this backward's id
+        if self.queued_in != backward:  # its first gradient: wait for them all once it is over
+            # The autograd engine runs a queued callback when the backward it was queued in ends,
+            # inside loss.backward(), as DDP's reducer does: a loop written for DDP calls nothing
+            # else before optimizer.step(). Keyed by the backward's id, not a flag cleared when it
+            # runs: a backward that raised never runs its callbacks, and would leave such a flag set.
+            self.queued_in = backward
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
         self.ready.add(p)
         while self.launched < len(self.order) and self.order[self.launched] in self.ready:
             self._all_reduce_grad(self.order[self.launched])
@@ -93,6 +99,7 @@ class AsyncAllReduceDP(ddp.Replicated):
         for p in unused:  # no rank had a gradient: None again, so the optimizer skips it
             p.grad = None
         self.ready, self.launched = set(), 0
+        self.grad_accumulation.reset()  # the optimizer step's gradients: the next backward starts a new sum
 
 
 # ----------------------------------------------------------------------------- training

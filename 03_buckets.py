@@ -5,9 +5,8 @@ one async all-reduce as soon as all of its gradients are ready, while backward g
 parameter, and a GPT has dozens of small ones. A bucket packs many gradients back to back in one
 flat buffer (`bucket.py`), so one all-reduce moves them all; it starts once its last gradient has
 been accumulated, so communication still overlaps backward. Same bytes as 01 and 02, far fewer
-calls (on a 2-core CPU with gloo, the default GPT's 52 per-parameter all-reduces took 57 ms, its
-whole 3.09 MiB gradient in one flat buffer 4 ms; by default it fills 2 buckets, below). This is
-what PyTorch's DistributedDataParallel does (`bucket_cap_mb=25` by default).
+calls (the default GPT's 52 gradients fill 2 buckets). This is what PyTorch's
+DistributedDataParallel does (`bucket_cap_mb=25` by default).
 Bucket 0, which holds the last layers (their gradients come first), is capped at 1 MiB, as
 DDP's (`_DEFAULT_FIRST_BUCKET_BYTES`): with one 25 MiB bucket a small model's all-reduce would
 start only when backward is over, with nothing left to overlap it with. In bf16, micro-steps'

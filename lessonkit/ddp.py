@@ -1,6 +1,6 @@
 """DistributedDataParallel's shape, which 02 and 03 share so that a loop written for DDP runs
-them unchanged (Replicated; 01 takes only its base, Replicas), the end-of-backward callback
-DDP's reducer finishes its all-reduces with (at_end_of_backward; 05's reduce-scatters too), and
+them unchanged (Replicated; 01 takes only its base, Replicas), 02's wait at the end of backward
+for 03's buckets and 05's reduce-scatters (at_end_of_backward), and
 the fp32 sum of bf16 (fp16) micro-step gradients that 01-04 accumulate into (FP32Accumulation). The
 collectives here are bookkeeping: the broadcast of rank 0's weights when a strategy is built,
 and find_unused_parameters' flags.
@@ -84,10 +84,7 @@ class Replicated(Replicas):
 
 def at_end_of_backward(owner, fn):
     """Call from a gradient hook: fn() runs once this backward is over, inside loss.backward(),
-    once per backward for each owner. (The autograd engine's callback queue, as DDP's reducer
-    and FSDP use, so the training loop needs no call of its own after backward.) "Once per
-    backward" is keyed by the backward's own id, not a flag cleared when fn runs: a backward that
-    raised never runs its callbacks, and a flag left set would skip every later synchronization."""
+    once per backward for each owner: 02's queued callback (02_async_allreduce.py says why)."""
     backward = torch._C._current_graph_task_id()  # -1 outside a backward
     if getattr(owner, "_end_of_backward_queued", None) == backward:
         return

@@ -25,3 +25,21 @@ def test_diffs_are_stable():
     assert json.loads(out.stdout) == diffs.expected()
     for text in diffs.expected().values():
         assert text.startswith(diffs.HEADER) and "\n--- " in text and "\n+++ " in text
+
+
+# Changed lines (removed + added, as `diff` prints them) between consecutive lessons: each step's
+# idea and little else, 150 at most, 350 for ZeRO-3. 03->04 and 04->05 are over and held where
+# they stand, so they cannot grow unseen: 04's sharded optimizer step (ShardOptimizer) is on 04's
+# page, and 05 imports it, so 03->04 adds it and 04->05 takes it away; both rewrite the strategy.
+CHANGED_LINES = {("01_vanilla_dp", "02_async_allreduce"): 150, ("02_async_allreduce", "03_buckets"): 150,
+                 ("03_buckets", "04_zero1"): 343, ("04_zero1", "05_zero2"): 378, ("05_zero2", "06_zero3"): 350}
+
+
+def test_each_diff_is_the_idea_within_its_budget():
+    over = {}
+    for (old, new), budget in CHANGED_LINES.items():
+        out = subprocess.run(["diff", f"{old}.py", f"{new}.py"], cwd=ROOT, capture_output=True, text=True)
+        changed = sum(line[:2] in ("< ", "> ") or line in ("<", ">") for line in out.stdout.splitlines())
+        if changed > budget:
+            over[f"{old[:2]}->{new[:2]}"] = (changed, budget)
+    assert not over, over
