@@ -151,7 +151,7 @@ class ZeRO3(UnitHooks, nn.Module):
 
     @torch.no_grad()
     def _backward_over(self):
-        """Backward is over (queued with the autograd engine, as 02's): the root's turn, then .grad."""
+        """Backward is over (UnitHooks queued the call, as 02 does): the root's turn, then .grad."""
         root = self.units[0]
         self._reshard(root)
         if root.trainable:

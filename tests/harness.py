@@ -117,6 +117,14 @@ def once(fn):
     return cached
 
 
+def of_lesson(case):
+    """`make test LESSON=0N`: is the parametrized case ("05", "05_bf16", "toy_05_chunk", ...) one of
+    that lesson's? Every case when LESSON is unset. A launch shared by a file's tests builds only
+    these (its ranks inherit LESSON), so one lesson's tests do not wait for every lesson's runs."""
+    lesson, case = os.environ.get("LESSON", ""), case.removeprefix("toy_")
+    return not lesson or case == lesson or case.startswith(f"{lesson}_")
+
+
 def launches(suite):
     """A test file's `results(world)`: each rank's `suite(world)`, launched on `world` ranks once
     per world size (start-up is costly; a failed launch is remembered too: once)."""

@@ -62,7 +62,7 @@ def test_every_support_module_reads_at_once():
 def test_the_readme_layout_names_every_module():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
-    layout = readme[readme.index("Layout:"):]
+    layout = readme[readme.index("## Layout"):]
     missing = [os.path.basename(p) for p in modules()[1] if not p.endswith("__init__.py")
                and f"{os.path.basename(p)}`" not in layout]
     assert not missing, missing
