@@ -159,8 +159,8 @@ class ZeRO3(UnitHooks, nn.Module):
         self._wait_reduce_scatters()
         unused = self.used.unused() if self.used else ()
         for unit in self.units:
-            if unit.grad_shard is not None:  # into my shards' .grad, in their dtype (fp32):
-                unit.add_to_shards_grad(self._reduced_grad(unit), unused)  # micro-steps add up there
+            if unit.grad_shard is not None:  # In bf16, micro-steps' gradients add up in fp32, never in bf16:
+                unit.add_to_shards_grad(self._reduced_grad(unit), unused)  # in my shards' fp32 .grad
                 unit.grad_shard = None
             unit.reduced = False
 

@@ -134,9 +134,16 @@ def launches(suite):
     return results
 
 
+PEAKS = ["--peak-params", "1"]  # run_lesson's argv: sample memory after every op (peak_params, peak_grads)
+
+
 def run_lesson(lesson, argv):
     """In a spawned rank: run a lesson's main() with these flags; return what tests compare.
-    A sharded model (06's) is gathered (lessons.zero3_full_parameters); others are read as they are."""
+    A sharded model (06's) is gathered (lessons.zero3_full_parameters); others are read as they are.
+    Memory is sampled after every operation of the measured step (--peak-params 1: about 2 s of a
+    small run's 0.1 s) only where argv asks for it, in the runs whose peaks a test reads."""
+    if "--peak-params" not in argv:
+        argv = [*argv, "--peak-params", "0"]
     run = load_lesson(lesson).main(argv)
     sharded = next((h for h in run.ledger.roots if hasattr(h, "units")), None)
     params = (zero3_full_parameters(sharded) if sharded else

@@ -2,7 +2,7 @@
 import pytest
 
 import harness
-from harness import (REPLICATED_GPT, REPLICATED_TOY, all_close, bf16_close, comm_ops, gpt_train, launches,
+from harness import (PEAKS, REPLICATED_GPT, REPLICATED_TOY, all_close, bf16_close, comm_ops, gpt_train, launches,
                      one_all_reduce_per_tensor, reference, replicated_bf16_memory, replicated_runs, run_lesson,
                      toy_grads, toy_reference_grads)
 from tolerances import GRAD_TOL, TOL
@@ -19,7 +19,7 @@ def suite(world):
     """Everything lesson 02 is checked on, in one launch per world size (start-up is costly)."""
     out = {**replicated_runs(LESSON, ARGV), "toy_grads": toy_grads("02", grad_accum=3, different_init=True, find_unused=True)}
     if world == 2:
-        out["bf16"] = run_lesson(LESSON, BF16)
+        out["bf16"] = run_lesson(LESSON, BF16 + PEAKS)  # its memory: peak_params too
         out["bf16_ddp"] = gpt_train("ddp", BF16)
     return out
 

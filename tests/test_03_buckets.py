@@ -5,9 +5,9 @@ import torch.distributed as dist
 
 from lessonkit import common
 import harness
-from harness import (REPLICATED_GPT, REPLICATED_TOY, all_close, bf16_close, comm_ops, gpt_train, launches, recording,
-                     reference, replicated_bf16_memory, replicated_runs, run_lesson, sent_bytes, theory_bytes,
-                     toy_reference_grads)
+from harness import (PEAKS, REPLICATED_GPT, REPLICATED_TOY, all_close, bf16_close, comm_ops, gpt_train, launches,
+                     recording, reference, replicated_bf16_memory, replicated_runs, run_lesson, sent_bytes,
+                     theory_bytes, toy_reference_grads)
 from lessons import build
 from lessonkit.comm_meter import CommMeter
 from model import GPT
@@ -73,7 +73,7 @@ def suite(world):
         "toy_caps": {n: toy_run(cap, grad_accum=3, different_init=True) for n, cap in TOY_CAPS.items()},
     }
     if world == 2:
-        out["bf16"] = run_lesson(LESSON, BF16)
+        out["bf16"] = run_lesson(LESSON, BF16 + PEAKS)  # its memory: peak_params too
         out["bf16_ddp"] = gpt_train("ddp", BF16)
         out["bf16_cap2"] = gpt_run(BF16, GPT_CAPS[2])
     return out

@@ -10,7 +10,7 @@ import pytest
 from lessonkit import common
 from lessonkit.summary import print_summary
 from graded import load_lesson
-from harness import comm_ops, gpt_train, held, launches, memory_theory, run_lesson, sent_bytes, theory_bytes
+from harness import PEAKS, comm_ops, gpt_train, held, launches, memory_theory, run_lesson, sent_bytes, theory_bytes
 from lessons import build
 from model import GPT
 from toy import make_toy, toy_train
@@ -102,9 +102,9 @@ def recorded(argv):
 def suite(world):
     """Everything lesson 05 is checked on, in one launch per world size (start-up is costly)."""
     out = {
-        "main": run_lesson(LESSON, ARGV),
-        "accum_clip": run_lesson(LESSON, ACCUM_CLIP),
-        "bf16": run_lesson(LESSON, BF16),
+        "main": run_lesson(LESSON, ARGV + PEAKS),  # (PEAKS: the gradient bytes during backward)
+        "accum_clip": run_lesson(LESSON, ACCUM_CLIP + PEAKS),
+        "bf16": run_lesson(LESSON, BF16 + PEAKS),
         "torch": gpt_train("fsdp2_noreshard", ACCUM_CLIP),
         "toy": toy_train(build, "05", different_init=True),  # 25 MiB: one bucket
         "toy_accum_clip": toy_train(build, "05", grad_accum=3, grad_clip=0.05, different_init=True,
@@ -112,10 +112,10 @@ def suite(world):
         "toy_sgd": toy_train(build, "05", bucket_mb=TOY_CAP, **SGD),
     }
     if world > 1:
-        out["deep"] = run_lesson(LESSON, DEEP)
+        out["deep"] = run_lesson(LESSON, DEEP + PEAKS)
     if world == 2:
-        out["default"] = recorded(DEFAULT)
-        out["default_many"] = recorded(DEFAULT_MANY)
+        out["default"] = recorded(DEFAULT + PEAKS)
+        out["default_many"] = recorded(DEFAULT_MANY + PEAKS)
     return out
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lessonkit import common
 import harness
 from graded import load_lesson
-from harness import all_close, gpt_train, held, launches, reference, run_lesson, sent_bytes, theory_bytes
+from harness import PEAKS, all_close, gpt_train, held, launches, reference, run_lesson, sent_bytes, theory_bytes
 from lessons import FSDP2_REDUCES_UNUSED, build, zero3_full_parameters
 from model import GPT
 from routing import EXPERTS, block_slots, routed_reference, routed_train, used_by_rank
@@ -69,14 +69,14 @@ def poison_all_gathers():
 
 def suite(world):
     """Everything lesson 06 is checked on, in one launch per world size (start-up is costly)."""
-    out = {"main": run_lesson(LESSON, ARGV),  # the default path, as a student runs it
+    out = {"main": run_lesson(LESSON, ARGV + PEAKS),  # the default path, as a student runs it
            "init": initial_weights(ARGV), "init_no_prefetch": initial_weights(NO_PREFETCH),
            "init_bf16": initial_weights(BF16)}
     poison_all_gathers()
     out.update({
         "accum_clip": run_lesson(LESSON, ACCUM_CLIP),
-        "no_prefetch": run_lesson(LESSON, NO_PREFETCH),
-        "bf16": run_lesson(LESSON, BF16),
+        "no_prefetch": run_lesson(LESSON, NO_PREFETCH + PEAKS),
+        "bf16": run_lesson(LESSON, BF16 + PEAKS),
         "fsdp2": gpt_train("fsdp2", ARGV),
         "toy": toy_train(build, "06", different_init=True),
         "toy_accum": toy_train(build, "06", grad_accum=3),

@@ -9,7 +9,7 @@ other kernels (memory-efficient attention pads its log-sum-exp) can keep a few m
 there the summary prints both and no test holds them equal."""
 import pytest
 
-from harness import held, launches, run_lesson
+from harness import PEAKS, held, launches, run_lesson
 from lessonkit.theory import theory_activations
 
 # 02 and 03 run 01's forward and backward (only their gradients' all-reduces move): the fuzzer
@@ -18,7 +18,7 @@ from lessonkit.theory import theory_activations
 LESSONS = ["01_vanilla_dp", "04_zero1", "05_zero2", "06_zero3", "07_offload", "08_hybrid"]
 # one step (its weights after it: backward checked too) of 2 micro-steps of 4 rows per rank, measured
 ARGV = ["--steps", "1", "--measure-step", "0", "--n-layer", "3", "--d-model", "32", "--n-head", "2",
-        "--seq-len", "16", "--global-batch", "16", "--grad-accum", "2", "--log-every", "100"]
+        "--seq-len", "16", "--global-batch", "16", "--grad-accum", "2", "--log-every", "100", *PEAKS]  # the peaks
 CKPT = ["--activation-checkpointing", "block"]
 BF16 = ["--precision", "bf16"]
 

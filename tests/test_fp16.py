@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from graded import load_lesson
-from harness import close, comm_ops, held, launches, memory_theory, reference, run_lesson
+from harness import PEAKS, close, comm_ops, held, launches, memory_theory, reference, run_lesson
 from lessonkit.common import model_config, parse_args
 from lessonkit.summary import print_summary
 from model import GPT
@@ -258,7 +258,7 @@ def suite(world):
     for lesson in LESSONS + SHARDED:
         out[lesson] = run_lesson(lesson, ARGV + EXTRA.get(lesson, []))
         out[lesson, "inf"] = with_an_inf(lesson, INF_ARGV + EXTRA.get(lesson, []))
-    out["06_zero3"] = run_lesson("06_zero3", ARGV + EXTRA["06_zero3"])  # clipping bites: the true norm
+    out["06_zero3"] = run_lesson("06_zero3", ARGV + EXTRA["06_zero3"] + PEAKS)  # clipping bites: the true norm
     for lesson in ZERO3:
         out[lesson, "clip_256"] = run_lesson(lesson, ZERO3_CLIP + EXTRA.get(lesson, []))
     for lesson in ZERO3[1:]:  # (06's: in interrupted)

@@ -12,14 +12,14 @@ import shutil
 import sys
 import tempfile
 
-from harness import run_lesson, spawn
+from harness import PEAKS, run_lesson, spawn
 from lessonkit.summary import print_summary
 
 ARGV = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--seq-len", "16",
         "--global-batch", "8", "--log-every", "100", "--peak-params", "0"]
 
 
-SAMPLED = [a for a in ARGV if a not in ("--peak-params", "0")] + ["--measure-step", "1"]  # per-op memory sampling
+SAMPLED = [a for a in ARGV if a not in ("--peak-params", "0")] + ["--measure-step", "1"] + PEAKS  # sampling per op
 
 
 def suite(trace_dir):
