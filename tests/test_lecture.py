@@ -89,3 +89,10 @@ def test_hybrid_table_06_against_08():
     # 08 holds twice 06's bytes at rest (sharded over G = 2, not N = 4), and steps faster
     assert float(hybrid["states_theory"]) == pytest.approx(2 * float(zero3["states_theory"]), abs=0.003)
     assert float(hybrid["step"]) < float(zero3["step"])
+
+
+def test_results_times_each_tier_with_its_own_lesson_filter():
+    from scripts.learn import results
+    envs = {name: results.tier_env(env) for name, env in results.TIERS}  # (a LESSON given twice once raised)
+    assert envs["make test LESSON=05"]["LESSON"] == "05"
+    assert envs["make test"]["LESSON"] == envs["make test-all"]["LESSON"] == ""

@@ -50,6 +50,11 @@ def write_section(name, body):
 TIERS = [("make test", {}), ("make test LESSON=05", {"LESSON": "05"}), ("make test-all", None)]
 
 
+def tier_env(env):
+    """The environment a tier's pytest runs in: this one, LESSON as the tier sets it (else none)."""
+    return {**os.environ, "LESSON": "", **(env or {})}
+
+
 def tiers():
     """Each test tier's wall time, run as its make target runs it (pytest, in this interpreter)."""
     rows = []
@@ -57,7 +62,7 @@ def tiers():
         marks = "slow" if env is None else "not slow"
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests", "-m", marks, "-p", "no:cacheprovider"],
-                              cwd=ROOT, env=dict(os.environ, LESSON="", **(env or {})), capture_output=True, text=True)
+                              cwd=ROOT, env=tier_env(env), capture_output=True, text=True)
         last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
         rows.append(f"| `{name}` | {time.monotonic() - t0:.0f} s | {last.strip('= ')} |")
     return "\n".join(["## The test tiers", "", f"Machine: {machine()}. `make results TIERS=1`, one tier after the "
