@@ -102,8 +102,7 @@ class ZeRO3Offload(zero3.ZeRO3):
         self._wait_reduce_scatters()
         grad = unit.flat_grad
         if grad is None:  # no gradient reached this unit here: it still takes part
-            grad = torch.zeros(unit.numel_padded, dtype=self.reduce_dtype or unit.flat_param.dtype,
-                               device=unit.device_params.device)
+            grad = unit.zeros(self.reduce_dtype or unit.flat_param.dtype)
         work = dist.reduce(grad.div_(self.world_size), dst=unit.owner, async_op=True)  # the mean, to its owner
         self.grads_in_flight.append((unit, work, grad if self.rank == unit.owner else grad[:0]))
         unit.reduced = True
