@@ -75,6 +75,11 @@ def test_the_ring_trains_as_torchs_collectives_at_more_ranks(world):
 
 
 # ----------------------------------------------------------------------------- the handle and the link
+# The fastest of three: on a loaded 2-core machine one pass can lose a scheduler slice (10 ms) to
+# another process; the link's delay is the floor, and what the machine adds is judged at its best
+TIMING_REPEATS = 3
+
+
 def handles_and_link(world):
     """In a spawned rank: an async ring all-reduce on a slow link, watched before and after wait()."""
     from scripts.perf import ring_collectives
@@ -83,26 +88,29 @@ def handles_and_link(world):
     ring_collectives.use("ring", link, timeout=None)
     try:
         r, n = dist.get_rank(), dist.get_world_size()
-        x = torch.full((2 ** 18,), float(r + 1))  # 1 MiB of fp32
-        dist.barrier()
-        t0 = time.perf_counter()
-        work = dist.all_reduce(x, async_op=True)
-        issued_s = time.perf_counter() - t0
-        early = {"completed": work.is_completed(), "untouched": bool((x == r + 1).all())}
-        work.wait()
-        elapsed = time.perf_counter() - t0
-        late = {"completed": work.is_completed(), "sum": bool((x == n * (n + 1) / 2).all())}
-        # the blocking form of each collective, for the formula of one pass
-        y = torch.ones(n * 2 ** 16)
-        mine = torch.empty(2 ** 16)
-        t1 = time.perf_counter()
-        dist.reduce_scatter_tensor(mine, y)
-        rs_s = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        dist.all_gather_into_tensor(y, mine)
-        ag_s = time.perf_counter() - t2
-        return {"issued_s": issued_s, "early": early, "late": late, "elapsed_s": elapsed,
-                "rs_s": rs_s, "ag_s": ag_s, "rs_ok": bool((mine == n).all()), "ag_ok": bool((y == n).all()),
+        timed, seen = {"issued_s": [], "elapsed_s": [], "rs_s": [], "ag_s": []}, []
+        for _ in range(TIMING_REPEATS):
+            x = torch.full((2 ** 18,), float(r + 1))  # 1 MiB of fp32
+            dist.barrier()
+            t0 = time.perf_counter()
+            work = dist.all_reduce(x, async_op=True)
+            timed["issued_s"].append(time.perf_counter() - t0)
+            early = {"completed": work.is_completed(), "untouched": bool((x == r + 1).all())}
+            work.wait()
+            timed["elapsed_s"].append(time.perf_counter() - t0)
+            late = {"completed": work.is_completed(), "sum": bool((x == n * (n + 1) / 2).all())}
+            seen.append((early, late))
+            # the blocking form of each collective, for the formula of one pass
+            y = torch.ones(n * 2 ** 16)
+            mine = torch.empty(2 ** 16)
+            t1 = time.perf_counter()
+            dist.reduce_scatter_tensor(mine, y)
+            timed["rs_s"].append(time.perf_counter() - t1)
+            t2 = time.perf_counter()
+            dist.all_gather_into_tensor(y, mine)
+            timed["ag_s"].append(time.perf_counter() - t2)
+        return {"seen": seen, **{k: min(v) for k, v in timed.items()},
+                "rs_ok": bool((mine == n).all()), "ag_ok": bool((y == n).all()),
                 "expected_ar_s": 2 * (n - 1) * link.seconds(x.numel() * 4 // n),
                 "expected_pass_s": (n - 1) * link.seconds(mine.numel() * 4)}
     finally:
@@ -113,8 +121,9 @@ def handles_and_link(world):
 def test_async_ring_handle_output_valid_only_after_wait_and_link_delays_match_the_formula(world):
     for out in spawn(world, handles_and_link, world):
         assert out["issued_s"] < 0.01  # async: the call returns before the link has carried anything
-        assert out["early"] == {"completed": False, "untouched": True}
-        assert out["late"] == {"completed": True, "sum": True}
+        for early, late in out["seen"]:
+            assert early == {"completed": False, "untouched": True}
+            assert late == {"completed": True, "sum": True}
         assert out["rs_ok"] and out["ag_ok"]
         # each send costs latency + bytes / bandwidth: 2 (N-1) sends of 1/N of the tensor; what
         # the machine adds on top (Python, a thread switch per send, the copy) stays under 10%
@@ -141,13 +150,16 @@ def on_two_nodes():
                     groups[name] = group
         out, before = {}, ring_collectives.wire_bytes()
         for name, group in groups.items():
-            x = torch.full((2 ** 16,), float(r + 1))  # 256 KiB of fp32
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x, group=group)
-            out[name] = {"s": time.perf_counter() - t0, "sum": x.unique().tolist()}
+            seconds = []
+            for _ in range(TIMING_REPEATS):
+                x = torch.full((2 ** 16,), float(r + 1))  # 256 KiB of fp32
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(x, group=group)
+                seconds.append(time.perf_counter() - t0)
+            out[name] = {"s": min(seconds), "sum": x.unique().tolist()}
         after = ring_collectives.wire_bytes()
-        return {"runs": out, "wire": {name: after[name] - before.get(name, 0) for name in after},
+        return {"runs": out, "wire": {name: (after[name] - before.get(name, 0)) / TIMING_REPEATS for name in after},
                 "fast_s": fast.seconds(2 ** 17), "slow_s": slow.seconds(2 ** 17), "slow_quarter_s": slow.seconds(2 ** 16)}
     finally:
         ring_collectives.use("torch")
