@@ -9,6 +9,9 @@ for path in (ROOT, os.path.dirname(os.path.abspath(__file__))):
     if path not in sys.path:
         sys.path.insert(0, path)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+import forkserver  # noqa: E402  (after sys.path, which the server takes; before anything imports torch)
+
+forkserver.start()
 
 
 def pytest_configure(config):

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Which files are graded and where they are read from (this checkout or a student edition):
 # the course kit's own module, tests/graded.py.
+import forkserver  # noqa: E402
 from graded import ROOT, load_lesson  # noqa: E402  (ROOT: also the tests')
 from lessons import build, zero3_full_parameters  # noqa: E402
 from tolerances import BF16_LOSS_TOL, BF16_PARAM_TOL  # noqa: E402
@@ -47,15 +48,7 @@ def _worker(rank, world, port, fn, args, out_dir):
     os._exit(code)  # see lifecycle.exit_process: avoids gloo's rare abort at interpreter exit
 
 
-# Ranks are forked from a server process that has imported torch once, and torch._dynamo, which
-# the first optimizer step of every process imports (forkserver, with those preloaded): a rank
-# then starts in well under a second instead of about 4 s, and the suite runs dozens of them.
-# Forked ranks share what the server had: its environment (from the first launch) and its hash
-# seed. So each rank starts as a new interpreter instead (spawn) with `fresh=True`, and whenever
-# graded files come from elsewhere (DP_LESSONS: set before or during the run, and
-# a student's code must meet what torchrun gives it, a hash seed of its own included).
-_FORKSERVER = mp.get_context("forkserver")
-_FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+_FORKSERVER = forkserver.CONTEXT  # (forkserver.py says why the ranks fork from a server)
 
 
 def spawn(world, fn, *args, timeout=300, fresh=False):

@@ -1,0 +1,21 @@
+"""The server the tests' ranks fork from (harness.spawn), started by conftest before it imports
+torch, so that the server's own import of torch runs on the other core beside pytest's collection.
+
+Ranks are forked from a server process that has imported torch once, and torch._dynamo, which
+the first optimizer step of every process imports (forkserver, with those preloaded): a rank
+then starts in well under a second instead of about 4 s, and the suite runs dozens of them.
+Forked ranks share what the server had: its environment (from when it started) and its hash
+seed. So each rank starts as a new interpreter instead (spawn) with `fresh=True`, and whenever
+graded files come from elsewhere (DP_LESSONS: set before or during the run, and a student's code
+must meet what torchrun gives it, a hash seed of its own included).
+"""
+import multiprocessing
+import multiprocessing.forkserver
+
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+
+
+def start():
+    """Start the server now (it is started at the first launch otherwise); it imports as it starts."""
+    multiprocessing.forkserver.ensure_running()
