@@ -175,7 +175,7 @@ class ZeRO3(UnitHooks, nn.Module):
 def build_model(args, env, strategy=None, pack=list, **kwargs):
     """The GPT of `args` under `strategy` (ZeRO3, 07's or 08's, with its `kwargs`), a unit per block
     (`pack`: 07's chunks): built unit by unit, its weights GPT(cfg, seed)'s, yet never whole."""
-    gpt, init_unit = flat_units.meta_gpt(common.model_config(args), args.seed)  # shapes only, yet
+    gpt, init_unit = flat_units.meta_gpt(common.model_config(args), args.seed, args.init_from)  # shapes only, yet
     # --precision bf16 or fp16: gather, compute and reduce-scatter in it (the ZeRO paper's 2 bytes)
     policy = MixedPrecisionPolicy(param_dtype=common.working_dtype(args))
     return (strategy or ZeRO3)(gpt, units=pack(gpt.blocks), mp_policy=policy, param_init_fn=init_unit,

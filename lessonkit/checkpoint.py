@@ -180,7 +180,7 @@ def load(path, module, holder, check=None):
 class Checkpointer:
     """--checkpoint-dir DIR, --save-every K, --resume for one lesson's training loop.
 
-    strategy  the lesson's strategy name ("zero1"): a checkpoint of another lesson is refused
+    strategy  the lesson's strategy name ("zero1"), saved: any lesson resumes any lesson's checkpoint
     module    the plain model (names and shapes: GPT's, so a checkpoint consolidates into GPT)
     holder    checkpoint_shards(names) -> [FlatShard]: what this rank holds
     loss_scaler  fp16's (loss_scale.py): its state_dict saved in meta.json, loaded on resume
@@ -221,15 +221,15 @@ class Checkpointer:
             lifecycle.exit_process(0)
         if self.loss_scaler is not None:  # the scale, growth tracker and skipped steps it stopped with
             self.loss_scaler.load_state_dict(meta["loss_scale"])
+        by = "" if meta["strategy"] == self.strategy else f" (written by {meta['strategy']}, read by {self.strategy})"
         self.say(f"resumed from {self.path}: step {meta['step']}, saved at world size {meta['world_size']}, "
-                 f"now {self.env.world_size}")
+                 f"now {self.env.world_size}{by}")
         return meta["step"]
 
     def _check(self, meta):
-        ours = {"strategy": self.strategy, **{k: getattr(self.args, k) for k in self.MUST_MATCH}}
-        theirs = {"strategy": meta["strategy"], **{k: meta["config"].get(k) for k in self.MUST_MATCH}}
-        if {ours["strategy"], theirs["strategy"]} <= {"zero3", "hybrid"}:  # 08's files are a 06 checkpoint at
-            theirs["strategy"] = ours["strategy"]  # world size G: the one pair of lessons that resume each other's
+        # the lesson that wrote it need not match: its layout is the writer's detail, not the state's
+        ours = {k: getattr(self.args, k) for k in self.MUST_MATCH}
+        theirs = {k: meta["config"].get(k) for k in self.MUST_MATCH}
         differ = [f"{k} {theirs[k]} (checkpoint) != {ours[k]} (this run)" for k in ours if ours[k] != theirs[k]]
         if differ:
             raise CheckpointError(f"{self.path} does not match this run: {'; '.join(differ)}")

@@ -9,13 +9,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lessonkit import loss_scale
+from lessonkit import loss_scale, pretrained
 from lessonkit.lifecycle import WATCHDOG_S, env_int, fail, launched_world, restart_advice, say, start_heartbeat
 from model import GPT, GPTConfig
 from scripts.perf import ring_collectives
 
-# Supported: torch 2.6 to 2.15 (2.13 pinned; 2.6, 2.11, 2.14 run). The lessons call all_gather_into_tensor and reduce_scatter_tensor, which
-# every one has; 2.13 made them aliases of *_single (absent before) and warns on every call. Silenced here only:
+# Supported: torch 2.6 to 2.15 (2.13 pinned; 2.6, 2.11, 2.14 run). all_gather_into_tensor and reduce_scatter_tensor, which every one has,
+# are aliases of *_single (absent before 2.13) since 2.13, which warns on every call. Silenced here only:
 warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
 
 
@@ -74,6 +74,7 @@ def build_parser(description=""):
     g.add_argument("--resume", nargs="?", const=True, default=False, choices=["auto"], metavar="auto",
                    help="continue from the newest complete checkpoint in --checkpoint-dir, at any world size; "
                         "auto: from it if there is one, else from step 0 (a job script under torchrun --max-restarts)")
+    g.add_argument("--init-from", metavar="FILE", default=None, help="start from a GPT state_dict's weights, not the seed's")
     g = p.add_argument_group("run-time and measurement")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA (nccl) when every rank on the node has a GPU, else CPU (gloo)")
@@ -108,8 +109,9 @@ def parse_args(argv=None, description=""):
         fail(f"--global-batch {args.global_batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")
     if args.d_model % args.n_head:
         fail(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
-    if not (all(0 < x < float("inf") for x in (args.lr, args.bucket_mb)) and 1 <= args.timeout <= 86400 and 0 <= args.grad_clip < float("inf")):
-        fail("--lr and --bucket-mb must be positive, --timeout 1 to 86400 seconds, --grad-clip non-negative (finite numbers: not nan or inf)")
+    if not (0 < args.bucket_mb < float("inf") and all(0 <= x < float("inf") for x in (args.lr, args.grad_clip))
+            and 1 <= args.timeout <= 86400):  # (--lr 0, as torch.optim allows: a step that moves no weight)
+        fail("--bucket-mb must be positive, --lr and --grad-clip 0 or positive, --timeout 1 to 86400 seconds (finite numbers: not nan or inf)")
     if args.loss_scale is not None and args.precision != "fp16":
         fail(f"--loss-scale {args.loss_scale:g}: only fp16 scales its loss (use it with --precision fp16)")
     for flag in (f for f in ("report", "trace", "checkpoint_dir") if getattr(args, f) == ""):  # (once ignored: nothing written)
@@ -185,8 +187,7 @@ def init_distributed(args) -> Dist:
     """Join the process group: torchrun's environment if present, else a group of one; gloo on CPU, nccl on CUDA
     (cuda:LOCAL_RANK; choose_device), or in a group that exists (a test harness, sweep.py) its backend's device.
     The timeout makes a lost rank fail the others instead of hanging them. Sets args.device to what it chose."""
-    timeout = timedelta(seconds=args.timeout)
-    local_rank = env_int("LOCAL_RANK", 0)
+    timeout, local_rank = timedelta(seconds=args.timeout), env_int("LOCAL_RANK", 0)
     ring = args.collectives == "ring"
     if dist.is_initialized():
         kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -211,8 +212,7 @@ def init_distributed(args) -> Dist:
     elif not dist.is_initialized():  # plain `python 0N_x.py`: the same code path with a world of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     args.device = kind
-    # the lesson's collectives: torch's, or the ring's (scripts/perf/ring_collectives.py); set for
-    # every run, so a process that runs several lessons in one group (sweep.py) gets what each asks
+    # torch's collectives or the ring's (scripts/perf/ring_collectives.py), set per run: sweep.py runs several in one group
     link, inter = (ring_collectives.lesson_00().Link.parse(spec) if spec else None for spec in (args.link, args.inter_link))
     ring_collectives.use(args.collectives, link, timeout, inter, args.ranks_per_node if args.inter_link else None)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -233,11 +233,11 @@ def working_dtype(args):
 
 
 def build_model(args, env: Dist) -> GPT:
-    """The GPT on this rank's device, in the working precision, identical on every rank. bf16, fp16
-    as FSDP2: initialised in fp32, kept on each parameter (`p.fp32_init`) until an optimizer makes its
-    master weights from them (optimizers.master_weights): a run starts where fp32 starts, rounded."""
+    """The GPT on this rank's device, in the working precision, identical on every rank. bf16, fp16 as FSDP2: initialised in
+    fp32, kept on each parameter (`p.fp32_init`) until an optimizer makes its fp32 masters of them (optimizers.master_weights)."""
     config = model_config(args)
     model = GPT(config, seed=args.seed).to(env.device)
+    pretrained.init_from(args.init_from, model)  # --init-from FILE: its weights, in fp32, before any rounding
     if working_dtype(args) != torch.float32:
         for p in model.parameters():
             p.fp32_init = p.detach().clone()

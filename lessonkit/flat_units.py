@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lessonkit import pretrained
 from model import GPT, init_parameters
 
 
@@ -137,16 +138,24 @@ def shard_units(module, units, param_dtype, param_init_fn, device, shard_group, 
     return out
 
 
-def meta_gpt(config, seed):
+def meta_gpt(config, seed, init_from=None):
     """The GPT of `config` on the meta device, and the param_init_fn that gives each unit the
-    values it has in GPT(config, seed): its generators are drawn by the parameters' names."""
+    values it has in GPT(config, seed): its generators are drawn by the parameters' names. With
+    init_from (--init-from FILE), the file's values instead (lessonkit/pretrained.py)."""
     with torch.device("meta"):  # shapes only: not one byte of parameters yet
         gpt = GPT(config, seed=None)  # fp32: the shards are the master weights
+    weights = init_from and pretrained.load(init_from, gpt)
+
+    def init(module, prefix):
+        if weights:
+            pretrained.copy_into(module, weights, prefix)
+        else:
+            init_parameters(module, seed, config.n_layer, prefix=prefix)
 
     def init_unit(module, prefix):  # called for one unit at a time, its memory in place
         if module is gpt:  # the root unit: GPT's own layers (lm_head.weight *is* wte.weight)
             for name in ("wte", "wpe", "ln_f"):
-                init_parameters(getattr(gpt, name), seed, config.n_layer, prefix=name)
+                init(getattr(gpt, name), name)
         else:
-            init_parameters(module, seed, config.n_layer, prefix=prefix)
+            init(module, prefix)
     return gpt, init_unit

@@ -93,6 +93,22 @@ def gather(index, name, kind, lo, hi):
     return torch.cat([d[max(lo, a) - a:min(hi, b) - a] for a, b, d in index[name, kind] if a < hi and b > lo])
 
 
+def whole(meta, index, steps):
+    """A checkpoint's state as no layout shows it ((meta, index, steps) from checkpoint.read):
+    {(name, what): tensor of the parameter's shape}, what = "weights" (its trained values: the fp32
+    masters where the writer kept them apart, else the parameters), each optimizer state kind
+    ("exp_avg", ...), and "step". Checkpoints of one state are equal here, whatever wrote them."""
+    out = {}
+    for name, shape in meta["params"].items():
+        kinds = sorted(k for n, k in index if n == name and k != ("param" if (name, "master") in index else "master"))
+        for kind in kinds:
+            values = gather(index, name, kind, 0, torch.Size(shape).numel()).view(shape)
+            out[name, "weights" if kind in ("param", "master") else kind] = values
+        if name in steps:
+            out[name, "step"] = steps[name]
+    return out
+
+
 def _fill(t, start, params, index, kind_of):
     """A new tensor like t (flat elements start ..), filled from the checkpoint; padding zero."""
     new = torch.zeros(t.numel(), dtype=t.dtype, device=t.device)
@@ -109,7 +125,11 @@ def stage(shards, index, steps):
     copies, states = [], []
     for s in shards:
         start, param = s.tensors["param"]
-        copies.append((param, _fill(param, start, s.params, index, lambda n: "param")))
+        # where the parameter is the optimizer's fp32 master itself (06-08, and fp32 runs), a checkpoint
+        # written with separate masters (01-05 in bf16 or fp16) gives it the masters, not their rounding
+        own_master = master_of(s) is not None and not master_of(s)[2]
+        copies.append((param, _fill(param, start, s.params, index,
+                                    lambda n: "master" if own_master and (n, "master") in index else "param")))
         if master_of(s) is None:
             continue
         start, master, separate = master_of(s)

@@ -240,6 +240,11 @@ def cases(draw, world=None, fp16=True):
         # other times (FSDP2 then trains to other losses than one process: seed 20261129 drew one)
         case["model"]["checkpoint"] = "around"
     case["eval"], case["prefetch"], case["defaults"] = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+    # a checkpoint another lesson wrote (drawn last, as above): at the resume step every lesson that
+    # runs after `resume_from` loads what that one saved there (lessonkit/checkpoint.py: any lesson
+    # resumes any lesson's), and must hold that state bit for bit, whatever layout wrote it
+    if case.get("resume"):
+        case["resume_from"] = draw(st.sampled_from(LESSONS))
     return case
 # Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2
 # shards each rank's own weights; tests/toy.py covers the lessons), a MixedPrecisionPolicy's
@@ -441,14 +446,26 @@ def resumed(case, name, make, trainer, checkpoint_dir, step):
     path = os.path.join(checkpoint_dir, f"step_{step:06d}")
     saved = handles(name, trainer)
     before = held_state(*saved)
-    checkpoint.save(path, step, *saved, {"strategy": name})
-    scaler = loss_scaler(name, case)  # (fp16; else None) its state saved in meta.json by Checkpointer
+    scaler = loss_scaler(name, case)  # (fp16; else None) its state saved in meta.json, as by Checkpointer
+    checkpoint.save(path, step, *saved, {"strategy": name, "loss_scale": scaler and trainer.scaler.scaler.state_dict()})
+    dist.barrier()  # (rank 0 writes meta.json and COMPLETE after the others have returned from save)
+    # another lesson's checkpoint of this step, where it ran before this one (case["resume_from"])
+    other = os.path.join(checkpoint_dir[:-len(name)] + case.get("resume_from", name), f"step_{step:06d}")
+    source = other if os.path.exists(os.path.join(other, "COMPLETE")) else path
+    with open(os.path.join(source, "meta.json")) as f:
+        meta = json.load(f)
     if scaler is not None:
-        scaler.load_state_dict(json.loads(json.dumps(trainer.scaler.scaler.state_dict())))
+        scaler.load_state_dict(meta["loss_scale"])
     model, new = make(case["seed"] + 1, scaler)
     new.scaler.skipped, new.scaler.steps = trainer.scaler.skipped, trainer.scaler.steps  # (the loop's record)
     loaded = handles(name, new)
-    checkpoint.load(path, *loaded)
+    checkpoint.load(source, *loaded)
+    if source != path:  # what it holds now, saved again, is the state the other lesson saved
+        checkpoint.save(path + "_loaded", step, *loaded, {"strategy": name})
+        dist.barrier()  # (as above)
+        a, b = (reshard.whole(*checkpoint.read(p)) for p in (source, path + "_loaded"))
+        differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+        return model, new, (f"{differ[0]} of {meta['strategy']}'s checkpoint is not what it loaded" if differ else None)
     after = held_state(*loaded)
     differ = [i for i, (a, b) in enumerate(zip(before, after)) if a[0] != b[0] or not torch.equal(a[1], b[1])]
     why = (f"{len(after)} tensors after loading, {len(before)} saved" if len(before) != len(after) else
@@ -786,7 +803,8 @@ def describe(case):
             f"{', checkpointed' if m.get('checkpoint') else ''}"
             f"{', 08 at G = ' + str(case['shard_group']) if case.get('shard_group') else ''}"
             f"{', units in chunks of 2' if case.get('chunk', 1) > 1 else ''}"
-            f"{', resumed at step ' + str(case['resume']) if case.get('resume') else ''}")
+            f"{', resumed at step ' + str(case['resume']) if case.get('resume') else ''}"
+            f"{' (after ' + case['resume_from'] + ': from its checkpoint)' if case.get('resume_from') else ''}")
 
 
 def report(case, found, lessons=LESSONS):

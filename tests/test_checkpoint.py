@@ -184,7 +184,6 @@ def suite_world2(root):
     r["stranger"] = refused("04_zero1", ARGV + ["--checkpoint-dir", stranger, "--resume"])
     r["twin"] = refused("04_zero1", ARGV + ["--checkpoint-dir", twin, "--resume"])
     r["d_model"] = refused("04_zero1", ARGV + ["--d-model", "40", "--checkpoint-dir", other, "--resume"])
-    r["lesson"] = refused("05_zero2", ARGV + ["--checkpoint-dir", other, "--resume"])
     r["precision"] = refused("04_zero1", ARGV + BF16 + ["--checkpoint-dir", other, "--resume"])
     r["done"] = refused("04_zero1", ARGV + ["--steps", "4", "--checkpoint-dir", other, "--resume"])
     r["fresh_run_into_old_dir"] = refused("04_zero1", ARGV + SAVE + ["--checkpoint-dir", other])
@@ -256,7 +255,7 @@ def hybrid_from_2x2(root, world):
         out["to 06"] = resume("06_zero3", copy_checkpoint(src, 4, f"{root}/06_zero3/from08"))
         bf16 = copy_checkpoint(f"{root}/06_zero3/bf16", 4, f"{root}/{HYBRID}/bf16")
         out["bf16 from 06"] = resume(HYBRID, bf16, BF16 + grid(2))
-        out["07 refused"] = refused("07_offload", ARGV + ["--checkpoint-dir", f"{root}/{HYBRID}/1x2", "--resume"])
+        out["07 from 08"] = resume("07_offload", copy_checkpoint(src, 4, f"{root}/07_offload/from08"))
     return out
 
 
@@ -401,8 +400,8 @@ def test_hybrid_resumes_06s_checkpoints_in_fp32_and_bf16(root):
     for out in world2_from_4(root):
         # 06 bf16 at world 2 -> 08 at 1 x 2, which is 06: bit for bit (the shards are fp32 masters)
         identical(out["08"]["bf16 from 06"], tail(zero3["06_zero3", "bf16"], 4))
-        # 06 and 08 alone resume each other's: 07's shards are laid out alike, and still refused
-        assert "strategy hybrid (checkpoint) != offload (this run)" in out["08"]["07 refused"]
+        # and 07 (as any lesson: test_cross_resume.py) resumes 08's 2 x 2 checkpoint
+        close(out["08"]["07 from 08"], tail(world4(root)[0]["08"]["full"], 4))
 
 
 def test_consolidated_state_dict_is_the_run_and_loads_into_gpt(root):
@@ -447,7 +446,6 @@ def test_refusals_name_the_problem(root):
         assert "rank1.pt does not belong to this checkpoint" in r["stranger"]
         assert "rank1.pt does not belong to this checkpoint" in r["twin"]
         assert "does not match this run: d_model 35 (checkpoint) != 40 (this run)" in r["d_model"]
-        assert "does not match this run: strategy zero1 (checkpoint) != zero2 (this run)" in r["lesson"]
         assert "precision fp32 (checkpoint) != bf16 (this run)" in r["precision"]
         assert "at step 4: nothing left to do with --steps 4" in r["done"]
         assert "already holds checkpoints: add --resume to continue from them or" in r["fresh_run_into_old_dir"]

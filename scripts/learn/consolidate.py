@@ -23,11 +23,8 @@ def consolidate(path):
     """One plain {name: fp32 tensor} state_dict, tied names included, padding gone: loadable by
     model.GPT(...).load_state_dict(sd) without torch.distributed. The fp32 master values where
     the checkpoint has them (bf16: the truth; the working bf16 weights are them rounded)."""
-    meta, index, _ = checkpoint.read(path)
-    sd = {}
-    for name, shape in meta["params"].items():
-        kind = "master" if (name, "master") in index else "param"
-        sd[name] = reshard.gather(index, name, kind, 0, torch.Size(shape).numel()).float().view(shape).clone()
+    meta, index, steps = checkpoint.read(path)
+    sd = {name: t.float().clone() for (name, what), t in reshard.whole(meta, index, steps).items() if what == "weights"}
     for alias, name in meta["aliases"].items():
         sd[alias] = sd[name]
     return sd
