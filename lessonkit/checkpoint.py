@@ -13,7 +13,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from lessonkit import lifecycle, reshard
+from lessonkit import dcp, lifecycle, reshard
 from lessonkit.reshard import CheckpointError
 
 FORMAT, KEEP = 1, 2  # the files' format; complete checkpoints kept (older ones deleted after a save)
@@ -66,13 +66,14 @@ def save(path, step, module, holder, meta):
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
     _write_atomic(os.path.join(path, f"rank{rank}.pt"), lambda f: torch.save(
         {"format": FORMAT, "save_id": save_id[0], "rank": rank, "step": step, "entries": entries, "rng": rng}, f))
+    first = {p: n for n, p in module.named_parameters()}  # aliases: tied names (lm_head -> wte)
+    aliases = {n: first[p] for n, p in module.named_parameters(remove_duplicate=False) if first[p] != n}
+    dcp.save(path, entries, {n: tuple(p.shape) for n, p in module.named_parameters()}, aliases)  # PyTorch's format too
     layouts = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, _layout(entries))  # a barrier too
     if rank == 0:
-        first = {p: n for n, p in module.named_parameters()}  # aliases: tied names (lm_head -> wte)
-        meta = {**meta, "format": FORMAT, "save_id": save_id[0], "step": step, "world_size": len(layouts),
-                "torch": torch.__version__, "params": {n: list(p.shape) for n, p in module.named_parameters()},
-                "aliases": {n: first[p] for n, p in module.named_parameters(remove_duplicate=False) if first[p] != n}}
+        meta = {**meta, "format": FORMAT, "save_id": save_id[0], "step": step, "world_size": len(layouts), "aliases": aliases,
+                "torch": torch.__version__, "params": {n: list(p.shape) for n, p in module.named_parameters()}}
         # readable: the layout last, one range a line (json.loads gives back meta + layout)
         rows = ",\n".join(" [" + ",\n  ".join(json.dumps(r) for r in ranks) + "]" for ranks in layouts)
         text = json.dumps(meta, indent=1)[:-2] + ',\n "layout": [\n' + rows + "\n ]\n}\n"
@@ -90,7 +91,7 @@ def _steps(root, complete=False):
     """The step directories under root, oldest first (complete: only those with the marker)."""
     found = sorted((int(m.group(1)), d) for d in glob.glob(os.path.join(glob.escape(root), "step_*"))
                    if (m := re.fullmatch(r"step_(\d+)", os.path.basename(d))))
-    return [d for _, d in found if not complete or os.path.exists(os.path.join(d, "COMPLETE"))]
+    return [d for _, d in found if not complete or os.path.exists(os.path.join(d, "COMPLETE")) or dcp.foreign(d)]
 
 
 def latest(root):
@@ -111,6 +112,8 @@ def read(path, check=None):
     """meta.json (first passed to check(meta), which may refuse it) and every rank's entries,
     validated: each parameter's ranges of each kind must cover its elements exactly once.
     Returns (meta, {(name, kind): [(lo, hi, data)]}, {name: AdamW's step count; SGD keeps none})."""
+    if dcp.foreign(path):  # written by PyTorch's DCP alone (FSDP2's): dcp.py reads it
+        return dcp.read(path, check)
     if not os.path.exists(os.path.join(path, "COMPLETE")):
         raise CheckpointError(f"{path} has no COMPLETE marker: an interrupted save, not a checkpoint")
     try:
@@ -150,10 +153,7 @@ def load(path, module, holder, check=None):
     error = None
     try:
         meta, index, steps = read(path, check)  # check: the caller's refusals (lesson, model, ...)
-        shapes = {n: list(p.shape) for n, p in module.named_parameters()}
-        differ = sorted(n for n in shapes.keys() | meta["params"].keys() if shapes.get(n) != meta["params"].get(n))
-        if differ:
-            raise CheckpointError(f"{path} holds other parameters than this model: {', '.join(differ[:4])}")
+        reshard.check_shapes(path, module, meta["params"])
         copies, states = reshard.stage(reshard.shards(module, holder), index, steps)
     except Exception as e:  # any rank's problem is every rank's: agree before copying anything
         error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
@@ -219,7 +219,7 @@ class Checkpointer:
             self.say(f"--resume auto: {self.path} is at step {meta['step']}, --steps {a.steps}: the run has "
                      "finished, nothing left to do")
             lifecycle.exit_process(0)
-        if self.loss_scaler is not None:  # the scale, growth tracker and skipped steps it stopped with
+        if self.loss_scaler is not None and meta["loss_scale"]:  # the scale, growth tracker, skipped steps
             self.loss_scaler.load_state_dict(meta["loss_scale"])
         by = "" if meta["strategy"] == self.strategy else f" (written by {meta['strategy']}, read by {self.strategy})"
         self.say(f"resumed from {self.path}: step {meta['step']}, saved at world size {meta['world_size']}, "
@@ -229,7 +229,7 @@ class Checkpointer:
     def _check(self, meta):
         # the lesson that wrote it need not match: its layout is the writer's detail, not the state's
         ours = {k: getattr(self.args, k) for k in self.MUST_MATCH}
-        theirs = {k: meta["config"].get(k) for k in self.MUST_MATCH}
+        theirs = {k: meta["config"].get(k, ours[k]) for k in self.MUST_MATCH}  # (DCP's own files: no flags saved)
         differ = [f"{k} {theirs[k]} (checkpoint) != {ours[k]} (this run)" for k in ours if ours[k] != theirs[k]]
         if differ:
             raise CheckpointError(f"{self.path} does not match this run: {'; '.join(differ)}")

@@ -88,6 +88,16 @@ def check_cover(path, index, steps, shapes):
             raise CheckpointError(f"{path}: {name} has pieces at different optimizer steps")
 
 
+def check_shapes(path, module, shapes):
+    """Refuse a checkpoint whose parameters {name: shape} are not `module`'s (a tied one may be
+    named twice: DCP's files hold lm_head.weight beside wte.weight)."""
+    ours = {n: list(p.shape) for n, p in module.named_parameters()}
+    tied = {n for n, _ in module.named_parameters(remove_duplicate=False)} - ours.keys()
+    differ = sorted(n for n in ours.keys() | (shapes.keys() - tied) if ours.get(n) != shapes.get(n))
+    if differ:
+        raise CheckpointError(f"{path} holds other parameters than this model: {', '.join(differ[:4])}")
+
+
 def gather(index, name, kind, lo, hi):
     """Elements lo..hi of one parameter's state, from the pieces that hold them."""
     return torch.cat([d[max(lo, a) - a:min(hi, b) - a] for a, b, d in index[name, kind] if a < hi and b > lo])

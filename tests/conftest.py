@@ -28,7 +28,7 @@ def pytest_configure(config):
 # files' launches at 3 and 4 ranks but 08's 2 x 2 grid (the hidden tests hold each lesson at 3).
 SLOW_FILES = {
     "test_accumulation.py", "test_activations.py", "test_assignments.py", "test_at_scale.py", "test_calculator.py",
-    "test_checkpoint.py", "test_course.py", "test_debug_demos.py", "test_determinism.py",
+    "test_checkpoint.py", "test_course.py", "test_dcp.py", "test_debug_demos.py", "test_determinism.py",
     "test_drop_in.py", "test_failures.py", "test_gpu_check.py", "test_gpu_ready.py",
     "test_lecture.py", "test_notebooks.py", "test_resume_auto.py", "test_ring_collectives.py",
     "test_routing_replicated.py", "test_scaling_bench.py", "test_trace_overlap.py",

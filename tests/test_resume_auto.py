@@ -115,7 +115,7 @@ def test_killed_during_a_save_the_previous_checkpoint_is_used(runs):
     last = [line for line in runs["log"].splitlines() if line.startswith("resumed from")][-1]
     assert last.startswith(f"resumed from {step_dir(runs['ckpt'], 2)}: step 2"), runs["log"]
     files, a = runs["step4"]
-    assert sorted(files) == ["COMPLETE", "meta.json", "rank0.pt", "rank1.pt"]
+    assert sorted(files) == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp", "meta.json", "rank0.pt", "rank1.pt"]
     b = consolidate(step_dir(runs["ref_dir"], 4))
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 

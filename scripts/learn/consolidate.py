@@ -50,7 +50,8 @@ def main(argv=None):
     except (OSError, RuntimeError) as e:  # (torch's writer raises RuntimeError for a missing directory)
         sys.exit(f"error: cannot write {a.out}: {str(e).splitlines()[0]}")
     c = meta["config"]
-    model = ", ".join(f"{k}={c[k]}" for k in ("vocab_size", "seq_len", "n_layer", "d_model", "n_head"))
+    model = ", ".join(f"{k}={c[k]}" for k in ("vocab_size", "seq_len", "n_layer", "d_model", "n_head")) if c else \
+        "...its model's shape (a DCP checkpoint from elsewhere does not say it)"
     n = sum(t.numel() for name, t in sd.items() if name not in meta["aliases"])
     print(f"{a.out}: {len(sd)} fp32 tensors, {n:,} parameters, from {path} ({meta['strategy']}, "
           f"{meta['world_size']} ranks, step {meta['step']}, {meta['precision']})\n"
