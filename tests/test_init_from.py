@@ -7,23 +7,15 @@ import torch
 import torch.distributed as dist
 
 from harness import reference, run_lesson, spawn
-from lessonkit import checkpoint, common
+from lessonkit import common
 from model import GPT
 from scripts.learn.consolidate import consolidate
-from test_checkpoint import ARGV, step_dir
+from test_checkpoint import ARGV, refused, step_dir
 from test_cross_resume import LESSONS, SEPARATE_MASTERS
 from zero_parity import close
 
 ARGV = [*ARGV[:1], "3", *ARGV[2:]]  # 3 steps from the file's weights
 BF16 = ["--precision", "bf16"]
-
-
-def refused(lesson, argv):
-    try:
-        run_lesson(lesson, argv)
-    except checkpoint.CheckpointError as e:
-        return str(e)
-    return "no refusal"
 
 
 def runs(root):
