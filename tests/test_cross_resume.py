@@ -82,6 +82,7 @@ def same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@functools.lru_cache(maxsize=None)
 def kinds(root, prec):
     """The writers grouped by the state they saved: [[writer, ...], ...] in lesson order."""
     groups = []
@@ -118,10 +119,10 @@ def launch(root, world, triples):
 
 def check(root, results):
     for writer, reader, prec in [k for k in results if len(k) == 3]:
-        weights = {n: w for (n, kind), w in written(root)[writer, prec].items() if kind == "weights"}
-        if prec in LOW and reader in SEPARATE_MASTERS:  # it shows its 2-byte parameters: the masters rounded
-            weights = {n: w.to(LOW[prec]).float() for n, w in weights.items()}
         if (writer, reader, prec, "loaded") in results:
+            weights = {n: w for (n, kind), w in written(root)[writer, prec].items() if kind == "weights"}
+            if prec in LOW and reader in SEPARATE_MASTERS:  # it shows its 2-byte parameters: the masters rounded
+                weights = {n: w.to(LOW[prec]).float() for n, w in weights.items()}
             loaded = results[writer, reader, prec, "loaded"]
             assert loaded.keys() == weights.keys() and all(torch.equal(loaded[n], weights[n]) for n in weights), \
                 (writer, reader, prec, [n for n in weights if not torch.equal(loaded[n], weights[n])])
