@@ -23,6 +23,7 @@ gradients add up in fp32, never in bf16: the shard they add into is fp32.
 PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)` (the same communication; its
 parameters are sharded at rest, too); DeepSpeed: ZeRO stage 2.
 """
+import contextlib
 import functools
 import importlib
 
@@ -112,13 +113,27 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                                                          find_unused_parameters, **defaults)
         super().__init__(self.shard_optimizer.masters, defaults)
         self.param_groups = self.shard_optimizer.param_groups  # what an lr_scheduler sets is what steps
+        # no_sync(): backwards inside keep adding into p.grad, in fp32 where it has 2 bytes (as 01-04)
+        self.require_backward_grad_sync, self.grad_accumulation = True, ddp.FP32Accumulation(self.params)
         # Fires during backward once p.grad is complete (a tied weight's: both uses summed).
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's (--reduce-every step on all micro-steps but the last): backwards inside reduce
+        nothing and keep the whole gradient; the next one outside reduce-scatters the sum once.
+        1/K of the reduce-scatters, for the whole gradient held where 2 Psi / N would do."""
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
     def _grad_ready(self, p):
-        ddp.at_end_of_backward(self, self.finish_reduce_scatter)  # wait for all at its end
-        self.grad_buckets.ready(p)
+        if self.require_backward_grad_sync:  # (else p.grad keeps the sum: finish() takes one not renewed)
+            ddp.at_end_of_backward(self, self.finish_reduce_scatter)  # wait for all at its end
+            self.grad_buckets.ready(p)
 
     @torch.no_grad()
     def _reduce_scatter(self, bucket):
@@ -214,8 +229,10 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
-                scaler.scale(loss).backward()  # 1) each bucket is reduce-scattered as soon as it is
-                losses.append(loss)  # full, every micro-step (no full gradient is kept); waited for at its end
+                sync = args.reduce_every == "micro" or micro == args.grad_accum - 1  # --reduce-every step: the last
+                with contextlib.nullcontext() if sync else optimizer.no_sync():
+                    scaler.scale(loss).backward()  # 1) each bucket is reduce-scattered as soon as it is
+                losses.append(loss)  # full (no full gradient is kept); waited for at the end of backward
             # (fp16: unscaled in my shards, in fp32; an inf or NaN in any rank's shards: every rank skips 2))
             scaler.step(optimizer)  # 2) AdamW on my shards  3) all-gather, bucket by bucket
             scaler.update()

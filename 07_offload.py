@@ -97,12 +97,10 @@ class ZeRO3Offload(zero3.ZeRO3):
         super()._unshard(unit, wait)
 
     def _reduce_scatter(self, unit):
-        if self.layout == "even":
+        if self.layout == "even" or not self.requires_gradient_sync:
             return super()._reduce_scatter(unit)
         self._wait_reduce_scatters()
-        grad = unit.flat_grad
-        if grad is None:  # no gradient reached this unit here: it still takes part
-            grad = unit.zeros(self.reduce_dtype or unit.flat_param.dtype)
+        grad = self._flat_grad(unit)
         work = dist.reduce(grad.div_(self.world_size), dst=unit.owner, async_op=True)  # the mean, to its owner
         self.grads_in_flight.append((unit, work, grad if self.rank == unit.owner else grad[:0]))
         unit.reduced = True
@@ -243,6 +241,7 @@ def main(argv=None):
         with run.step(step) as losses:
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
+                model.set_requires_gradient_sync(args.reduce_every == "micro" or micro == args.grad_accum - 1)  # as 06
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # 0) upload 1) gather 2) forward 3) free
                 scaler.scale(loss).backward()  # 4) gather 5) reduce-scatter 5b) download into my shards' .grad

@@ -76,6 +76,18 @@ class HybridShard(zero3.ZeRO3):
     def __init__(self, module, units=(), mp_policy=None, shard_group=None, replicate_group=None, **kwargs):
         self.replicate_group = replicate_group
         super().__init__(module, units, mp_policy, shard_group=shard_group, **kwargs)
+        self.requires_all_reduce = True
+        for unit in self.units:
+            unit.partial_grad = None  # my group's sum of the micro-steps not yet all-reduced (fp32)
+
+    def set_requires_all_reduce(self, requires_all_reduce, recurse=True):
+        """FSDP2's (--all-reduce-every step on all micro-steps but the last): False still runs 5) in
+        my shard group at each backward but keeps its sum, in fp32, for the next backward with True,
+        whose 5b) all-reduces it once: the slow link carries 1/K of the bytes, for Psi / G held."""
+        self.requires_all_reduce = requires_all_reduce
+
+    def _lands(self):
+        return self.requires_gradient_sync and (self.requires_all_reduce or self.replicate_group is None)
 
     def _replicas(self):
         return dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
@@ -84,6 +96,13 @@ class HybridShard(zero3.ZeRO3):
         done = [unit for unit, _, _ in self.grads_in_flight]
         super()._wait_reduce_scatters()  # 5) done: unit.grad_shard, summed over my shard group
         for unit in (done if self.replicate_group is not None else ()):  # (None: no replicas)
+            if unit.partial_grad is not None or not self.requires_all_reduce:
+                unit.partial_grad = (unit.grad_shard.float() if unit.partial_grad is None
+                                     else unit.partial_grad.add_(unit.grad_shard))
+                if not self.requires_all_reduce:  # kept: nothing crosses to the replicas now
+                    unit.grad_shard = None
+                    continue  # else all micro-steps' sum, rounded once, crosses below
+                unit.grad_shard, unit.partial_grad = unit.partial_grad.to(unit.grad_shard.dtype), None
             # ### BEGIN SOLUTION: all-reduce a gradient shard across the replicas
             # GOAL: 5b) unit.grad_shard, summed over my shard group, becomes the sum over every rank,
             #       without blocking: backward goes on meanwhile, and unit.replicate_work keeps what
@@ -140,6 +159,9 @@ def main(argv=None):
         with run.step(step) as losses:
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
+                last = args.grad_accum - 1  # --reduce-every step: 5) and 5b) once; --all-reduce-every step: 5b) once
+                model.set_requires_gradient_sync(args.reduce_every == "micro" or micro == last)
+                model.set_requires_all_reduce(args.all_reduce_every == "micro" or micro == last)
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # 1) gather in my group 2) forward 3) free
                 scaler.scale(loss).backward()  # 4) gather 5) reduce-scatter in my group 5b) all-reduce across replicas

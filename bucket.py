@@ -162,9 +162,12 @@ class BucketManager:
             bucket = self.buckets[self.next_to_launch]
             if bucket.buffer is None:
                 bucket.allocate()
-            if self.grads_as_views:
-                for p in bucket.pending:
+            for p in bucket.pending:  # no gradient in this backward, maybe one kept from earlier (no_sync)
+                if self.grads_as_views:
                     self._adopt(p, bucket)
+                elif p.grad is not None:
+                    bucket.view(p).copy_(p.grad)
+                    p.grad = None
             self._launch(bucket)
         for bucket, work in self.in_flight:
             self._complete(bucket, work)

@@ -56,13 +56,14 @@ def build_parser(description=""):
     g.add_argument("--layout", choices=["even", "uneven"], default="even",
                    help="07: every unit cut evenly over all ranks, or each whole on one rank (the older layout)")
     g.add_argument("--chunk-mb", type=float, default=0.0, metavar="MB", help="07: blocks in forward order, whole, in chunks of <= MB MiB (fp32)")
+    g.add_argument("--reduce-every", choices=["micro", "step"], default="micro", help="05-08: reduce-scatter at every micro-step, or once a step (no_sync)")
+    g.add_argument("--all-reduce-every", choices=["micro", "step"], default="micro", help="08: all-reduce across replicas at every micro-step, or once")
     g.add_argument("--shard-group", type=int, default=None, metavar="G", help="08: shard over groups of G ranks (a node), "
                    "replicate across them; G divides the world size (default: --ranks-per-node, else torchrun's node)")
     g.add_argument("--collectives", choices=["torch", "ring"], default=None, help="torch (default): the backend's own "
                    "collectives; ring: lesson 00's ring of sends (ring_collectives.py), whose wire bytes are the ZeRO paper's")
-    g.add_argument("--link", metavar="GBPS:LATENCY_US", default=None,
-                   help="a simulated link for the ring (implies --collectives ring): each send costs "
-                        "latency + bytes / bandwidth, e.g. 1:50 (1 Gb/s, 50 us); with --inter-link, inside a node")
+    g.add_argument("--link", metavar="GBPS:LATENCY_US", default=None, help="a simulated link for the ring (implies --collectives "
+                   "ring): each send costs latency + bytes / bandwidth, e.g. 1:50 (1 Gb/s, 50 us); with --inter-link, inside a node")
     g.add_argument("--inter-link", metavar="GBPS:LATENCY_US", default=None,
                    help="the link between simulated nodes (implies --collectives ring): a send to another node, e.g. 1:50")
     g.add_argument("--ranks-per-node", type=int, default=None, metavar="G",
@@ -96,11 +97,12 @@ def parse_args(argv=None, description=""):
     trains, a = "01 02 03 04 05 06 07 08", args
     untrained = [(f"--{k.replace('_', '-')}", trains, v != parser.get_default(k)) for k, v in vars(a).items() if k not in (
         "seed", "seq_len", "vocab_size", "n_layer", "d_model", "n_head", "link", "collectives", "device", "timeout",
-        "report", "bucket_mb", "prefetch", "layout", "chunk_mb", "shard_group")]
-    for flag, owners, given in (("--layout", "07", a.layout != "even"), ("--chunk-mb", "07", a.chunk_mb != 0),
+        "report", "bucket_mb", "prefetch", "layout", "chunk_mb", "shard_group", "reduce_every", "all_reduce_every")]
+    for flag, owners, given in (("--layout", "07", a.layout != "even"), ("--chunk-mb", "07", a.chunk_mb != 0), ("--reduce-every",
+                                "05 06 07 08", a.reduce_every != "micro"), ("--all-reduce-every", "08", a.all_reduce_every != "micro"),
                                 ("--shard-group", "08", a.shard_group and not a.inter_link), *untrained):
         if lesson and given and lesson not in owners:
-            fail(f"{flag} is for lesson{'s 01-08' if owners == trains else ' ' + owners} only: lesson {lesson} would ignore it")
+            fail(f"{flag} is for lesson{'s 01-08' if owners == trains else ('s ' if ' ' in owners else ' ') + owners} only: lesson {lesson} would ignore it")
     for name, least in [(n, 1) for n in ("steps", "global_batch", "grad_accum", "seq_len", "n_layer", "d_model", "n_head",
                                          "log_every")] + [("vocab_size", 2)] + [(n, 0) for n in ("weight_decay", "warmup_steps", "save_every", "chunk_mb", "seed")]:
         if not least <= getattr(args, name) < 2 ** 32:  # (--save-every 0: never; nan and inf fail too; seeds times 1,000,003 stay in 64 bits)
@@ -235,8 +237,7 @@ def working_dtype(args):
 def build_model(args, env: Dist) -> GPT:
     """The GPT on this rank's device, in the working precision, identical on every rank. bf16, fp16 as FSDP2: initialised in
     fp32, kept on each parameter (`p.fp32_init`) until an optimizer makes its fp32 masters of them (optimizers.master_weights)."""
-    config = model_config(args)
-    model = GPT(config, seed=args.seed).to(env.device)
+    model = GPT(model_config(args), seed=args.seed).to(env.device)
     pretrained.init_from(args.init_from, model)  # --init-from FILE: its weights, in fp32, before any rounding
     if working_dtype(args) != torch.float32:
         for p in model.parameters():
@@ -245,6 +246,5 @@ def build_model(args, env: Dist) -> GPT:
     return model
 
 
-def n_params(module) -> int:
-    """Psi: unique parameters (the tied embedding/head counted once)."""
+def n_params(module) -> int:  # Psi: unique parameters (the tied embedding/head counted once)
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())

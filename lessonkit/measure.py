@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lessonkit import common, summary
 from lessonkit.comm_meter import CommMeter
-from lessonkit.memory_ledger import MemoryLedger, Peaks, max_rss
+from lessonkit.memory_ledger import MemoryLedger, MicroSteps, Peaks, max_rss
 from scripts.perf import ring_collectives
 from lessonkit.theory import (HYBRID, buckets_in_flight, theory_activations, theory_links, theory_memory,
                               theory_ring_bytes, theory_tiers)
@@ -40,9 +40,8 @@ class Run:
         # plain step). The overlap is then timed in the next step, by a meter of its own.
         self.timing = (CommMeter(env.world_size, cpu_timed=True)
                        if self.comm.cpu_timed and getattr(args, "peak_params", 1) else self.comm)
-        self.timed_step = None  # the step self.timing measured, once it has
-        self.cuda_step_peak = self.peak_params = self.peak_grads = self.peak_activations = None
-        self.params_timeline = self.trace = None
+        self.timed_step = self.params_timeline = self.trace = None  # timed_step: the step self.timing measured
+        self.cuda_step_peak = self.peak_params = self.peak_grads = self.peak_activations = self.held_grads = None
         if getattr(args, "trace", None):  # a tool's, imported only then (it draws with matplotlib)
             from scripts.perf.timelines import Trace
             self.trace = Trace(self)
@@ -55,10 +54,10 @@ class Run:
     @contextmanager
     def step(self, step):
         """Wrap one optimizer step. Yields a list the lesson appends its micro-step losses to."""
-        micro_losses = []
         if not self.step_times and step > 0:  # the first step of a resumed run
             self.resumed_from, self.measure_step = step, max(step, self.args.measure_step)
         measure = step == self.measure_step
+        micro_losses = MicroSteps(self.ledger) if measure and self.args.grad_accum > 1 else []
         self._sync()
         if measure and self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -75,6 +74,7 @@ class Run:
             self.copies = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in (before[0] if before else ())} or None
             if self.cuda:
                 self.cuda_step_peak = torch.cuda.max_memory_allocated()
+            self.held_grads = getattr(micro_losses, "held_grads", None)
         else:  # with --peak-params 1, the step after the measured one times the overlap
             timed = self.timing is not self.comm and step == self.measure_step + 1
             self.timed_step = step if timed else self.timed_step
@@ -137,7 +137,7 @@ class Run:
     def finish(self):
         """Gather every rank's measurements to rank 0, print the summary, write the report."""
         measured = {"memory": {**(self.memory or {}), "peak_params": self.peak_params, "peak_grads": self.peak_grads,
-                               "peak_activations": self.peak_activations},
+                               "peak_activations": self.peak_activations, "held_grads": self.held_grads},
                     "ops": self.comm.ops, "calls": self.comm.calls, "ring_bytes": self.comm.ring_bytes(),
                     "groups": {name: {**g, "ring_bytes": self.comm.ring_bytes(name), "wire_bytes": (self.wire or {}).get(name)}
                                for name, g in self.comm.groups.items()},
@@ -169,8 +169,9 @@ class Run:
     def report(self, gathered):
         a, n = self.args, self.env.world_size
         shard = getattr(a, "shard_group", None) or n  # 08: the states are sharded over G ranks, not N
+        every = {"reduce_every": a.reduce_every, "all_reduce_every": a.all_reduce_every}  # (05-08, 08)
         mem_theory = theory_memory(self.strategy, self.psi, shard if self.strategy in HYBRID else n, a.precision,
-                                   self._grad_buckets_in_flight(), a.grad_accum)
+                                   self._grad_buckets_in_flight(), a.grad_accum, a.reduce_every)
         report = {
             "strategy": self.strategy, "world_size": n, "backend": self.env.backend,
             "device": self.env.device.type, "precision": a.precision, "n_params": self.psi,
@@ -185,7 +186,7 @@ class Run:
                      # not a measurement); wire: what each rank's process wrote to its sockets
                      "issued_ring_bytes_per_step": gathered[0]["ring_bytes"],
                      "theory_ring_bytes_per_step": theory_ring_bytes(self.strategy, self.psi, n, a.precision,
-                                                                       a.grad_accum, shard=shard),
+                                                                       a.grad_accum, shard, **every),
                      # bytes each rank's process actually wrote (gloo on Linux; None elsewhere:
                      # NCCL moves its bytes over NVLink/InfiniBand, not the process's writes)
                      "wire_bytes_per_rank": [g["wire_bytes"] for g in gathered],
@@ -203,20 +204,20 @@ class Run:
                        "params_timeline": gathered[0].get("params_timeline")},
         }
         if self.strategy == "hybrid" or getattr(a, "inter_link", None):  # 08, or nodes: each link beside its formula
-            report["comm"]["per_link"] = self._per_link(gathered, shard)
+            report["comm"]["per_link"] = self._per_link(gathered, shard, every)
         return report
 
-    def _per_link(self, gathered, shard):
+    def _per_link(self, gathered, shard, every):
         """{"intra" (inside a node), "inter" (between nodes): rank 0's group on that link, its size,
         ops, bytes issued, theory and wire (None unless --collectives ring), and "per_rank", each
         rank's}. 08's shard group is a node and its replicate ring runs between nodes; 01-07's one
         ring: a rank's sends cross where its right neighbour sits on another node (--ranks-per-node)."""
         a, n, ring = self.args, self.env.world_size, self.args.collectives == "ring"
         if self.strategy == "hybrid":
-            theory = theory_links(self.psi, shard, n, a.precision, a.grad_accum)
+            theory = theory_links(self.psi, shard, n, a.precision, a.grad_accum, **every)
             on = lambda rank: {"intra": "shard", "inter": "replicate"}  # noqa: E731  (the groups' names)
         else:
-            total = theory_ring_bytes(self.strategy, self.psi, n, a.precision, a.grad_accum)
+            total = theory_ring_bytes(self.strategy, self.psi, n, a.precision, a.grad_accum, **every)
             theory = {"intra": total, "inter": total}  # on whichever link my hop takes
             on = lambda rank: {ring_collectives.hop(rank, (rank + 1) % n, a.ranks_per_node): "world"}  # noqa: E731
         out = {}
@@ -233,9 +234,8 @@ class Run:
         return out
 
     def _grad_buckets_in_flight(self):
-        """What gradient buckets found on the strategy (a bucket.BucketManager whose buffers
-        exist only in flight: 05's; 03's are the gradients themselves) may hold during backward
-        beside the gradients at rest (theory.buckets_in_flight, from their layout)."""
+        """What 05's gradient buckets (a BucketManager whose buffers exist only in flight; 03's are the
+        gradients) may hold during backward beside the gradients at rest (theory.buckets_in_flight)."""
         for root in self.ledger.roots:
             for m in (root, *getattr(root, "__dict__", {}).values()):
                 if hasattr(m, "max_in_flight") and not getattr(m, "grads_as_views", True) and m.buckets:

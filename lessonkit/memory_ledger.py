@@ -195,6 +195,21 @@ class Peaks(TorchDispatchMode):
         self.in_optimizer = True
 
 
+class MicroSteps(list):
+    """The list the measured step's micro-step losses go in (measure.Run.step yields it): at the
+    first, after that micro-step's backward, `held_grads` is the gradient bytes held until the
+    next one: what 05-08's --reduce-every trades against bytes sent."""
+
+    def __init__(self, ledger):
+        super().__init__()
+        self.ledger, self.held_grads = ledger, None
+
+    def append(self, loss):
+        super().append(loss)
+        if len(self) == 1:
+            self.held_grads = self.ledger.measure()["grads"]
+
+
 def max_rss():
     """Peak resident set size of this process, bytes (getrusage: KiB on Linux, bytes on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -64,6 +64,10 @@ def print_summary(r):
         whole = STATE_BYTES[r["precision"]]["grads"] * r["n_params"] / mib  # as backward makes it (06-08 keep fp32 shards)
         print(f"  gradients rank 0, MiB: peak during backward {m['peak_grads'] / mib:.2f}{bound or ''} | "
               f"the whole gradient {whole:.2f}" + (f" ({r['precision']})" if r["precision"] != "fp32" else ""), flush=True)
+    if m.get("held_grads") is not None:  # --grad-accum K > 1: what --reduce-every (05-08) trades for bytes
+        every = "".join(f" --{k.replace('_', '-')} {cfg[k]}" for k in ("reduce_every", "all_reduce_every") if cfg.get(k, "micro") != "micro")
+        print(f"  gradients rank 0, MiB: held between micro-steps {m['held_grads'] / mib:.2f} (theory {th['held_grads'] / mib:.2f})"
+              f" with --grad-accum {cfg['grad_accum']}{every or ''}", flush=True)
     if m.get("peak_activations") is not None:  # what forward computed, alive until backward used it
         mode, th_act = r["config"]["activation_checkpointing"], r["memory"]["theory_activations"]
         print(f"  activations rank 0, MiB: peak {m['peak_activations'] / mib:.2f} (theory "

@@ -33,27 +33,35 @@ HYBRID = ("hybrid", "torch_fsdp2_hsdp")
 ACCUMULATE_FP32 = ("vanilla_dp", "async_allreduce", "buckets", "zero1")
 
 
-def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1):
-    """Bytes per rank for each model state, ZeRO paper Figure 1 / Table 1; and `peak_grads`, the
+def theory_memory(strategy, psi, world, precision, in_flight=0, grad_accum=1, reduce_every="micro"):
+    """Bytes per rank for each model state, ZeRO paper Figure 1 / Table 1; `peak_grads`, the
     most gradient bytes alive during backward: `in_flight` bytes (buckets_in_flight) on top of the
-    gradients at rest."""
+    gradients at rest; and `held_grads`, between micro-steps (--grad-accum K > 1): what 05-08's
+    --reduce-every trades for bytes sent (theory_ring_bytes)."""
+    once = reduce_every == "step" and strategy in ("zero2", "zero3", "offload", "hybrid")  # no_sync's whole gradient
     tiers = theory_tiers(psi, world, precision)  # (07's: its device keeps the working precision)
     if "params" in SHARDED[strategy]:  # 06, 07 and FSDP2 (offloaded or not): FSDP2's convention, bf16
         precision = "fp32"  # only in flight; at rest fp32 shards (the master weights), fp32 gradient shards, 2 moments
     out = {k: psi * b / world if k in SHARDED[strategy] else psi * b for k, b in STATE_BYTES[precision].items()}
     if strategy == "offload":  # 07: both tiers
         out = {k: tiers["device"][k] + tiers["host"][k] for k in out}
-    if precision in MIXED and grad_accum > 1 and strategy in ACCUMULATE_FP32:  # ddp.FP32Accumulation
+    fp32_sum = precision in MIXED and grad_accum > 1 and (strategy in ACCUMULATE_FP32 or once and strategy == "zero2")
+    if fp32_sum:  # ddp.FP32Accumulation (05 under no_sync too)
         out["grads"] += 4 * psi  # the fp32 sum of the micro-steps, beside the bf16 gradient it rounds into
     out["peak_params"] = out["params"]  # ZeRO-3 adds the gathered units in flight
     # 01-04 and 03's buckets: the whole gradient. ZeRO-2: my slices of the buckets (kept, or
     # arriving from a reduce-scatter) plus the full-size buckets in flight; with micro-steps, also
     # the fp32 slices kept from the earlier ones (05's docstring). ZeRO-3: no formula here (its
     # units' gradients in flight), a measurement.
+    whole = STATE_BYTES[precision]["grads"] * psi + 4 * psi * fp32_sum  # p.grad (05: and its fp32 sum)
     out["peak_grads"] = None if "params" in SHARDED[strategy] else out["grads"] + in_flight + (
-        4 * psi / world if grad_accum > 1 and "grads" in SHARDED[strategy] else 0)
-    if precision in MIXED and grad_accum > 1 and strategy == "zero2":  # at rest, between micro-steps:
+        4 * psi / world if grad_accum > 1 and "grads" in SHARDED[strategy] and not once else whole if once else 0)
+    if precision in MIXED and grad_accum > 1 and strategy == "zero2" and not once:  # at rest, between micro-steps:
         out["grads"] = 4 * psi / world  # my slices in fp32 (05's docstring), counted in peak_grads above
+    # between micro-steps: the whole gradient (01-04; 05 under no_sync; 06-08's fp32 sum), else fp32 shards
+    out["held_grads"] = None if grad_accum == 1 else (
+        out["grads"] if "grads" not in SHARDED[strategy] else (whole if strategy == "zero2" else 4 * psi) if once
+        else 4 * psi / world)
     # of the optimizer state, the fp32 master weights: 4 of the K = 12 bytes in bf16; in fp32 the
     # optimizer updates the parameters themselves
     master = 4 * psi if precision in MIXED else 0
@@ -89,27 +97,32 @@ RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n,
                "reduce": lambda n: (n - 1) / n}     # sends the whole tensor once (the root none)
 
 
-def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1, shard=None):
+def theory_ring_bytes(strategy, psi, world, precision, grad_accum=1, shard=None, reduce_every="micro",
+                      all_reduce_every="micro"):
     """ZeRO paper section 7: 2 Psi elements per rank per step for DP, ZeRO-1 and ZeRO-2 (an
     all-reduce, or a reduce-scatter plus an all-gather), 3 Psi for ZeRO-3; times (N-1)/N.
     With K micro-steps, ZeRO-2 reduce-scatters at each ((K + 1) Psi) and ZeRO-3 gathers and
-    reduce-scatters at each (3 K Psi): no rank holds a whole gradient to accumulate into.
-    08 (hybrid, `shard` = G ranks per shard group): both links of theory_links, added."""
+    reduce-scatters at each (3 K Psi), unless --reduce-every step (no_sync) reduce-scatters once:
+    2 Psi and (2 K + 1) Psi. 08 (hybrid, `shard` = G ranks per group): theory_links, added."""
     k = grad_accum
     if strategy in HYBRID:
-        return sum(theory_links(psi, shard, world, precision, k).values())
-    elems = {"zero2": (k + 1) * psi, "zero3": 3 * k * psi, "offload": 3 * k * psi, "torch_fsdp2": 3 * k * psi,
-             "torch_fsdp2_offload": 3 * k * psi, "torch_fsdp2_noreshard": (k + 1) * psi,
+        return sum(theory_links(psi, shard, world, precision, k, reduce_every, all_reduce_every).values())
+    rs = 1 if reduce_every == "step" else k  # reduce-scatters a step
+    elems = {"zero2": (rs + 1) * psi, "zero3": (2 * k + rs) * psi, "offload": (2 * k + rs) * psi,
+             "torch_fsdp2": 3 * k * psi, "torch_fsdp2_offload": 3 * k * psi, "torch_fsdp2_noreshard": (k + 1) * psi,
              "torch_local": 0}.get(strategy, 2 * psi)
     return elems * (world - 1) / world * STATE_BYTES[precision]["params"]
 
 
-def theory_links(psi, shard, world, precision, grad_accum=1):
+def theory_links(psi, shard, world, precision, grad_accum=1, reduce_every="micro", all_reduce_every="micro"):
     """08's two links, bytes per rank per step, G = `shard` ranks per shard group, R = N / G
-    replicas: intra, ZeRO-3 inside the group, 3 K Psi (G-1)/G; inter, a ring all-reduce of my
-    gradient shard across the replicas at every micro-step, 2 K (Psi/G) (R-1)/R."""
-    g, r, b = shard, world // shard, STATE_BYTES[precision]["params"]
-    return {"intra": 3 * grad_accum * psi * (g - 1) / g * b, "inter": 2 * grad_accum * psi / g * (r - 1) / r * b}
+    replicas: intra, ZeRO-3 inside the group, (2 K + K') Psi (G-1)/G with K' reduce-scatters (K, or
+    1 with --reduce-every step); inter, a ring all-reduce of my gradient shard across the replicas
+    K'' times, 2 K'' (Psi/G) (R-1)/R (K, or 1 with either flag at step)."""
+    g, r, b, k = shard, world // shard, STATE_BYTES[precision]["params"], grad_accum
+    rs = 1 if reduce_every == "step" else k
+    ar = 1 if "step" in (reduce_every, all_reduce_every) else k
+    return {"intra": (2 * k + rs) * psi * (g - 1) / g * b, "inter": 2 * ar * psi / g * (r - 1) / r * b}
 
 
 # ----------------------------------------------------------------------------- activations

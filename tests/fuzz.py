@@ -245,6 +245,11 @@ def cases(draw, world=None, fp16=True):
     # resumes any lesson's), and must hold that state bit for bit, whatever layout wrote it
     if case.get("resume"):
         case["resume_from"] = draw(st.sampled_from(LESSONS))
+    # a collective once a step, not per micro-step (drawn last, as above): 05-08's --reduce-every
+    # step (no_sync, set_requires_gradient_sync) and 08's --all-reduce-every step
+    # (set_requires_all_reduce), their counterparts run with the same settings
+    if accum > 1:
+        case["reduce_every"], case["all_reduce_every"] = (draw(st.sampled_from(("micro", "step"))) for _ in "ra")
     return case
 # Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2
 # shards each rank's own weights; tests/toy.py covers the lessons), a MixedPrecisionPolicy's
@@ -376,7 +381,8 @@ def maker(case, name):
               find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
               layout=case.get("layout", "even") if case.get("collectives", "torch") == "torch" else "even",
               shard_group=None if case.get("defaults") else case.get("shard_group"), chunk=case.get("chunk", 1),
-              prefetch=case.get("prefetch", True), defaults=case.get("defaults", False))
+              prefetch=case.get("prefetch", True), defaults=case.get("defaults", False),
+              reduce_every=case.get("reduce_every", "micro"), all_reduce_every=case.get("all_reduce_every", "micro"))
     if sharded_fp32 and low is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low)  # as 06's main()
 
@@ -804,7 +810,8 @@ def describe(case):
             f"{', 08 at G = ' + str(case['shard_group']) if case.get('shard_group') else ''}"
             f"{', units in chunks of 2' if case.get('chunk', 1) > 1 else ''}"
             f"{', resumed at step ' + str(case['resume']) if case.get('resume') else ''}"
-            f"{' (after ' + case['resume_from'] + ': from its checkpoint)' if case.get('resume_from') else ''}")
+            f"{' (after ' + case['resume_from'] + ': from its checkpoint)' if case.get('resume_from') else ''}"
+            + "".join(f", --{k.replace('_', '-')} step" for k in ("reduce_every", "all_reduce_every") if case.get(k) == "step"))
 
 
 def report(case, found, lessons=LESSONS):

@@ -233,7 +233,8 @@ def gpt_train(lesson, argv, **kw):
     env = common.Dist(rank, world, torch.device("cpu"), "gloo")
     model = common.build_model(args, env)
     trainer = build(lesson, model, grad_clip=args.grad_clip, lr=args.lr, bucket_mb=args.bucket_mb,
-                    weight_decay=args.weight_decay, **kw)
+                    weight_decay=args.weight_decay, reduce_every=args.reduce_every,
+                    all_reduce_every=args.all_reduce_every, **kw)
     losses = []
     for step in range(args.steps):
         batches = [get_batch(args, env, step, m) for m in range(args.grad_accum)]

@@ -143,7 +143,8 @@ def replicated_optimizer(params, grad_clip, optimizer_class=None, optimizer_kwar
 def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0.0, **kw):
     """A trainer for `lesson` ("01".."08", or "ddp") around `module`, inside a process group.
     08 and fsdp2_hsdp: kw shard_group, G ranks per shard group (default: all).
-    weight_decay: AdamW's, in optimizers.decay_groups (matrices and embeddings only), as main()."""
+    weight_decay: AdamW's, in optimizers.decay_groups (matrices and embeddings only), as main().
+    reduce_every, all_reduce_every: "step" reduces (all-reduces) once a step (05-08 and FSDP2)."""
     wd = weight_decay
     opt_kw = {k: kw[k] for k in ("optimizer_class", "optimizer_kwargs") if k in kw}  # default: AdamW at lr
     # fp16: kw loss_scaler, the loop's (Scaled says which kinds); the trainer's .scaler.skipped then
@@ -181,7 +182,8 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
         def step():
             scaler.step(opt, clip=(lambda: z.clip_grad_norm_(grad_clip)) if grad_clip > 0 else None)
             opt.zero_grad()
-        return _FullySharded(z, step=step, full_parameters=lambda: zero3_full_parameters(z), opt=opt, scaler=scaler)
+        return _FullySharded(z, step=step, full_parameters=lambda: zero3_full_parameters(z), opt=opt, scaler=scaler,
+                             every=_every(kw))
     if lesson in ("fsdp2", "fsdp2_offload", "fsdp2_hsdp"):  # offload: CPUOffloadPolicy, as 07; hsdp: 08's grid
         return _fsdp2(module, grad_clip, lr, wd, scaler, offload=lesson == "fsdp2_offload",
                       hsdp=lesson == "fsdp2_hsdp", **kw)
@@ -196,7 +198,9 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
                                                      bucket_order=module.parameters(),
                                                      find_unused_parameters=kw.get("find_unused", False),
                                                      grad_clip=grad_clip, **opt_kwargs)
-        return _ShardedOptimizer(module, opt, scaler=scaler)  # its reduce-scatters end inside backward
+        once = kw.get("reduce_every") == "step"  # no_sync() on every micro-step but the last
+        return _ShardedOptimizer(module, opt, scaler=scaler,  # its reduce-scatters end inside backward
+                                 sync=lambda last: contextlib.nullcontext() if last or not once else opt.no_sync())
     if lesson == "zero_redundancy":
         return _zero_redundancy(module, grad_clip, lr, bucket_mb, kw.get("find_unused", False), wd, **opt_kw)
     if lesson == "fsdp2_noreshard":
@@ -234,20 +238,41 @@ def sharding_units(module, chunk=1):
 
 
 class _FullySharded:
-    """06 and PyTorch's FSDP2: parameters, gradients and optimizer state all sharded."""
+    """06 and PyTorch's FSDP2: parameters, gradients and optimizer state all sharded. `every`:
+    {"reduce_every", "all_reduce_every"}, "step" to reduce (all-reduce) at the last micro-step only,
+    by FSDP2's set_requires_gradient_sync and set_requires_all_reduce, which 06-08 share."""
 
-    def __init__(self, model, step, full_parameters, opt=None, scaler=None):
+    def __init__(self, model, step, full_parameters, opt=None, scaler=None, every=None):
         self.model, self.step, self.full_parameters, self.opt = model, step, full_parameters, opt
-        self.scaler = scaler or Scaled()
+        self.scaler, self.every = scaler or Scaled(), every or {}
 
     def train_step(self, micro_batches):
         total = 0.0
-        for x, y in micro_batches:
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            if self.every.get("reduce_every") == "step":
+                self.model.set_requires_gradient_sync(last)
+            if self.every.get("all_reduce_every") == "step" and hasattr(self.model, "set_requires_all_reduce"):
+                self.model.set_requires_all_reduce(last)  # (08's and FSDP2's: 06 and 07 have no replicas)
             loss = self.model(x, y) / len(micro_batches)
             self.scaler.scale(loss).backward()  # each micro-step reduce-scatters: no full gradient is ever kept
             total += loss.item()
         self.step()
         return total
+
+
+@contextlib.contextmanager
+def _fsdp2_sync(module, sync):
+    """FSDP2's no_sync(): its set_requires_gradient_sync(False) for one micro-step (sync False)."""
+    module.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _every(kw):
+    return {k: kw[k] for k in ("reduce_every", "all_reduce_every") if k in kw}
 
 
 # whether this torch's FSDP2 can reduce-scatter zeros for a parameter a rank's backward did not
@@ -291,7 +316,7 @@ def _fsdp2(module, grad_clip, lr, wd, scaler, offload=False, hsdp=False, **kw):
 
     def full_parameters():  # the parameters are DTensor shards
         return {n: p.full_tensor().detach().float().clone() for n, p in module.named_parameters()}
-    return _FullySharded(module, step, full_parameters, opt=opt, scaler=scaler)
+    return _FullySharded(module, step, full_parameters, opt=opt, scaler=scaler, every=_every(kw))
 
 
 # ----------------------------------------------------------------------------- sharded optimizer (04, 05)
@@ -355,6 +380,7 @@ def _fsdp2_noreshard(module, grad_clip, lr, wd, scaler, **kw):
     opt = opt_class(optimizers.decay_groups(module, wd), **(opt_kwargs or adamw(lr)))
     # clip_grad_norm_ over DTensor gradient shards all-reduces the norm across ranks
     return _ShardedOptimizer(module, opt, before_step=_clipper(module, grad_clip), scaler=scaler,
+                             sync=lambda last: _fsdp2_sync(module, last or kw.get("reduce_every") != "step"),
                              full_parameters=lambda: {n: p.full_tensor().detach().float().clone()
                                                       for n, p in module.named_parameters()})
 

@@ -22,6 +22,9 @@ CONVENTION = "In bf16, micro-steps' gradients add up in fp32, never in bf16"
 FILES = {"01": "01_vanilla_dp", "02": "02_async_allreduce", "03": "03_buckets", "04": "04_zero1",
          "05": "05_zero2", "06": "06_zero3"}
 K, STEPS = 4, 2
+# 05-08 reducing once a step (--reduce-every step; 08: --all-reduce-every step): the whole gradient's
+# fp32 sum rounded once to bf16 for the reduce-scatter (08: my shard's, for the all-reduce), as 01-04
+ONCE = {"05": "reduce_every", "06": "reduce_every", "08": "all_reduce_every"}
 SIZES = (5, 7, 3)  # the root's parameter, then two children (06's units); 15 elements, odd
 
 
@@ -91,26 +94,26 @@ def handed(lesson, trainer):
         shard_optimizer = trainer.opt.shard_optimizer
         return ([(names[p], lo, hi, piece) for pieces in shard_optimizer.pieces for p, _, lo, hi, piece in pieces],
                 shard_optimizer.optim)
-    z = trainer.model  # 06: a unit's shard holds unit-flat elements start .. start + shard_numel
+    z = trainer.model  # 06, 08: a unit's shard holds unit-flat elements start .. start + shard_numel
     names = {p: n for n, p in z.module.named_parameters()}
     out = []
     for u in z.units:
-        start = z.rank * u.shard_numel
         for p, shard, offset, (lo, hi) in zip(u.params, u.sharded, u.offsets, u.ranges):
             if hi > lo:
-                out.append((names[p], start + lo - offset, start + hi - offset, shard))
+                out.append((names[p], u.start + lo - offset, u.start + hi - offset, shard))
     return out, trainer.opt
 
 
-def accumulate(lesson):
+def accumulate(lesson, **once):
     """In a spawned rank: STEPS steps of K micro-steps on the probe in bf16; per step, what the
-    lesson's optimizer is handed, [(name, lo, hi, fp32 gradient)]."""
+    lesson's optimizer is handed, [(name, lo, hi, fp32 gradient)]. once: build's reduce_every or
+    all_reduce_every (08: one rank per shard group, so that its replicas all-reduce)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if lesson == "06":  # as 06's main(): fp32 shards, gathered and reduced in bf16
+    if lesson in ("06", "08"):  # as 06's main(): fp32 shards, gathered and reduced in bf16
         from torch.distributed.fsdp import MixedPrecisionPolicy
-        trainer = build("06", Probe(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        trainer = build(lesson, Probe(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), shard_group=1, **once)
     else:
-        trainer = build(lesson, Probe().to(torch.bfloat16))
+        trainer = build(lesson, Probe().to(torch.bfloat16), **once)
     pieces, optim = handed(lesson, trainer)
     steps, step = [], optim.step
 
@@ -133,6 +136,7 @@ PSI = 29_733
 
 def suite(world):
     out = {lesson: accumulate(lesson) for lesson in FILES}
+    out.update({f"{lesson}_once": accumulate(lesson, **{kw: "step"}) for lesson, kw in ONCE.items()})
     if world == 2:
         out["memory"] = {n: run_lesson(FILES[n], MEMORY_ARGV + PEAKS)["report"] for n in ("01", "02", "03", "04", "05")}
     return out
@@ -227,3 +231,14 @@ def test_every_lesson_states_the_convention(lesson):
     with open(f"{ROOT}/{FILES[lesson]}.py", encoding="utf-8") as f:
         text = re.sub(r"\s+", " ", f.read())
     assert CONVENTION in text
+
+
+@pytest.mark.parametrize("lesson", list(ONCE))
+def test_reducing_once_hands_the_optimizer_the_fp32_sum_rounded_once(results, lesson):
+    # 05, 06: every micro-step kept whole in fp32, rounded once for the one reduce-scatter; 08 at
+    # 1 x 2: each rank's shard (all of it) summed in fp32 over the micro-steps, rounded once for
+    # the one all-reduce. A bf16 running sum in any of them is an ulp off on every element.
+    whole([check(results[1][0][f"{lesson}_once"], exact=False)])
+    covered = [check(recorded[f"{lesson}_once"], exact=False) for recorded in results[2]]
+    for ranks in [covered[:1], covered[1:]] if lesson == "08" else [covered]:
+        whole(ranks)

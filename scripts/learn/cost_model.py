@@ -17,7 +17,7 @@ is the command line, calibrates it on this machine and checks it against publish
 """
 from dataclasses import dataclass
 
-from lessonkit.theory import RING_FACTOR, theory_memory
+from lessonkit.theory import RING_FACTOR, STATE_BYTES, theory_memory
 
 # ----------------------------------------------------------------------------- inputs
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -281,6 +281,27 @@ def collective_parts(op, size, world, cluster, per_node=0):
 def collective_time(op, size, world, cluster):
     own, copy, wire = collective_parts(op, size, world, cluster)
     return own + max(copy, wire)
+
+
+# ----------------------------------------------------------------------------- gradient accumulation
+def simulated_link(gbps, latency_us):
+    """A Link as the lessons' --link and --inter-link simulate one: each send costs latency + bytes / bandwidth."""
+    ops = tuple(RING_FACTOR)
+    return Link({op: gbps * 1e9 / 8 for op in ops}, {op: latency_us * 1e-6 for op in ops})
+
+
+def accumulation_choice(psi, world, shard, micro, precision, free_bytes, inter):
+    """05-08's --reduce-every and 08's --all-reduce-every for K = `micro` micro-steps, G = `shard`.
+    All-reduce across replicas once: the K - 1 all-reduces of my gradient shard (Psi / G elements)
+    it skips cost no memory (my group's fp32 sum takes the place of the fp32 .grad it becomes), so
+    always, where there are replicas; `saved_s`: those all-reduces' time on the `inter` link.
+    Reduce-scatter once: (K - 1) Psi (G - 1) / G elements fewer, for the whole gradient held in fp32
+    between micro-steps (4 Psi in place of 4 Psi / G): only where that fits in `free_bytes`."""
+    replicas, b = world // shard, STATE_BYTES[precision]["grads"]
+    saved = (micro - 1) * ring_time("all_reduce", b * psi / shard, replicas, inter) if replicas > 1 else 0.0
+    extra = 4 * psi - 4 * psi / shard
+    return {"all_reduce_every": "step" if micro > 1 and replicas > 1 else "micro", "saved_s": saved,
+            "reduce_every": "step" if micro > 1 and extra <= free_bytes else "micro", "extra_held_bytes": extra}
 
 
 # ----------------------------------------------------------------------------- memory
