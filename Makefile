@@ -42,6 +42,10 @@ lecture: setup   ## the lecture run: 01 -> 08 at 2 ranks in one launch, one tabl
 at-scale: setup  ## the at-scale cost model: published checks, then calibrate on this machine (~1 minute): runs/at_scale/calibration.json
 	$(PY) -m scripts.learn.at_scale --check-published && $(PY) -m scripts.learn.at_scale --calibrate
 
+.PHONY: accumulation
+accumulation: setup  ## 05-08 reducing at every micro-step or once a step, K = 1-8, 4 ranks; 08 on a slow link (~3 minutes): docs/results.md
+	$(PY) -m scripts.perf.accumulation
+
 .PHONY: calibrate-link
 calibrate-link: setup  ## the cost model against 01-06 on simulated 1 and 10 Gb/s links (~3 minutes): runs/at_scale/link_calibration.json; exit 1 beyond +-15%
 	$(PY) -m scripts.learn.at_scale --calibrate --link 1:50 10:50

@@ -206,3 +206,19 @@ def test_bandwidth_contention_prints_one_row_per_size():
     out = launch("scripts.perf.bandwidth", 2, ["--contention", "--quick", "--sizes", "65536", "262144"], report=False)
     rows = [line for line in out.splitlines() if line.startswith("all_reduce")]
     assert len(rows) == 2 and all("compute alone" in r and "hidden" in r and "compute slowed" in r for r in rows)
+
+
+def test_accumulation_measures_bytes_and_memory_of_each_choice_and_checks_the_model(tmp_path):
+    # 4 ranks, K = 4, a one-block GPT: the bytes and held gradients of each run must equal their formulas
+    # (the script exits 1 otherwise); the timing check is the script's to make on a quiet machine
+    # (make accumulation), so here its tolerance is wide: a loaded machine's step times mean nothing
+    figure = tmp_path / "accumulation.png"
+    out = subprocess.run([sys.executable, "-m", "scripts.perf.accumulation", "--no-write", "--micro", "4",
+                          "--steps", "3", "--n-layer", "1", "--d-model", "32", "--tolerance", "1e9", "--figure", str(figure)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 0")]
+    assert len(rows) == 3 * 2 + 3, rows  # two choices each (08: three)
+    slow = [line for line in out.stdout.splitlines() if line.startswith("| 4 |")]
+    assert "--all-reduce-every step" in slow[0], slow
+    assert figure.stat().st_size > 0

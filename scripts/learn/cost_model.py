@@ -290,15 +290,17 @@ def simulated_link(gbps, latency_us):
     return Link({op: gbps * 1e9 / 8 for op in ops}, {op: latency_us * 1e-6 for op in ops})
 
 
-def accumulation_choice(psi, world, shard, micro, precision, free_bytes, inter):
+def accumulation_choice(psi, world, shard, micro, precision, free_bytes, inter, units=1):
     """05-08's --reduce-every and 08's --all-reduce-every for K = `micro` micro-steps, G = `shard`.
     All-reduce across replicas once: the K - 1 all-reduces of my gradient shard (Psi / G elements)
     it skips cost no memory (my group's fp32 sum takes the place of the fp32 .grad it becomes), so
     always, where there are replicas; `saved_s`: those all-reduces' time on the `inter` link.
     Reduce-scatter once: (K - 1) Psi (G - 1) / G elements fewer, for the whole gradient held in fp32
-    between micro-steps (4 Psi in place of 4 Psi / G): only where that fits in `free_bytes`."""
+    between micro-steps (4 Psi in place of 4 Psi / G): only where that fits in `free_bytes`.
+    `units`: the all-reduces a micro-step issues (one per unit, of about equal size)."""
     replicas, b = world // shard, STATE_BYTES[precision]["grads"]
-    saved = (micro - 1) * ring_time("all_reduce", b * psi / shard, replicas, inter) if replicas > 1 else 0.0
+    each = ring_time("all_reduce", b * psi / shard / units, replicas, inter)
+    saved = (micro - 1) * units * each if replicas > 1 else 0.0
     extra = 4 * psi - 4 * psi / shard
     return {"all_reduce_every": "step" if micro > 1 and replicas > 1 else "micro", "saved_s": saved,
             "reduce_every": "step" if micro > 1 and extra <= free_bytes else "micro", "extra_held_bytes": extra}

@@ -65,33 +65,38 @@ def table(reports, named):
     return rows, points, wrong
 
 
-def slow_link(flags, nproc, ks, inter, steps):
+def slow_link(flags, nproc, ks, inter, steps, tolerance):
     """08 on 2 nodes of nproc/2 ranks, --inter-link `inter`: the median step time of each choice
     per K, and the cost model's (what it picks, the seconds it says that saves)."""
     link = ["--inter-link", inter, "--ranks-per-node", str(nproc // 2), "--peak-params", "0", "--steps", str(steps)]
     named = {f"08_hybrid --grad-accum {k} --all-reduce-every {c}": (k, c) for k in ks for c in ("micro", "step")}
     reports, _ = sweep(list(named), [*flags, *link], nproc)
     times = {named[n]: statistics.median(r["step_time_s"][1:] or r["step_time_s"]) for n, r in reports.items()}
-    r = next(iter(reports.values()))
+    by = {named[n]: r for n, r in reports.items()}
     gbps, us = map(float, inter.split(":"))
     rows = ["| K | all-reduce every micro-step, ms | once a step, ms | measured saving, ms | model's choice | "
             "model's saving, ms |", "|---:|---:|---:|---:|---|---:|"]
     wrong = []
     for k in ks:
+        r = by[k, "micro"]
+        units = r["comm"]["per_link"]["inter"]["ops"]["all_reduce"]["calls"] // k  # one per unit a micro-step
         pick = cost_model.accumulation_choice(r["n_params"], nproc, nproc // 2, k, r["precision"], 0,
-                                              cost_model.simulated_link(gbps, us))
+                                              cost_model.simulated_link(gbps, us), units)
         measured = times[k, "micro"] - times[k, "step"]
         rows.append(f"| {k} | {times[k, 'micro'] * 1e3:.0f} | {times[k, 'step'] * 1e3:.0f} | {measured * 1e3:.0f} | "
                     f"--all-reduce-every {pick['all_reduce_every']} | {pick['saved_s'] * 1e3:.0f} |")
-        yield_time = times[k, pick["all_reduce_every"]]
-        if yield_time > min(times[k, "micro"], times[k, "step"]) * 1.1:
+        if k == 1:  # one micro-step: the two are one program
+            continue
+        if times[k, pick["all_reduce_every"]] > min(times[k, "micro"], times[k, "step"]):
             wrong.append(f"K={k}: the model picked {pick['all_reduce_every']}, measured slower")
-        if k > 1 and not abs(measured - pick["saved_s"]) <= TOLERANCE * pick["saved_s"]:
+        if not abs(measured - pick["saved_s"]) <= tolerance * pick["saved_s"]:
             wrong.append(f"K={k}: saving measured {measured * 1e3:.0f} ms, the model {pick['saved_s'] * 1e3:.0f} ms")
     return rows, times, wrong
 
 
-TOLERANCE = 0.5  # the CPU ring's own work (copies, adds, Python) beside the simulated link: at_scale.py calibrates it
+# The model counts every skipped all-reduce whole; the runs hide some of each beside backward's
+# compute, and 4 ranks on 2 cores add the ring's own work (at_scale.py calibrates that part)
+TOLERANCE = 0.5
 
 
 def figure(points, times, ks, path):
@@ -123,16 +128,18 @@ def main():
     p = Parser("accumulation", description=__doc__)
     p.add_argument("--nproc", type=int, default=4, help="ranks (even: 08 runs as 2 nodes)")
     p.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8], help="the K to run")
-    p.add_argument("--inter-link", default="0.1:200", help="the simulated link between the 2 nodes, GBPS:LATENCY_US")
-    p.add_argument("--steps", type=int, default=4, help="steps per run on the slow link (the first not timed)")
-    p.add_argument("--no-write", action="store_true", help="print, do not write docs/results.md and the figure")
+    p.add_argument("--inter-link", default="0.02:200", help="the simulated link between the 2 nodes, GBPS:LATENCY_US")
+    p.add_argument("--steps", type=int, default=6, help="steps per run on the slow link (the first not timed)")
+    p.add_argument("--tolerance", type=float, default=TOLERANCE, help="how far the measured saving may be from the model's, a share")
+    p.add_argument("--no-write", action="store_true", help="print, do not write docs/results.md")
+    p.add_argument("--figure", default=FIGURE, help="where to draw the figure")
     a, flags = p.parse_known_args()
     flags = ["--steps", "2", "--measure-step", "1", "--global-batch", str(a.nproc * max(a.micro)),
              "--n-layer", "2", "--d-model", "64", "--log-every", "100", *flags]
     named = runs(a.micro)
     reports, _ = sweep(list(named), flags, a.nproc)
     rows, points, wrong = table(reports, named)
-    link_rows, times, link_wrong = slow_link(flags, a.nproc, a.micro, a.inter_link, a.steps)
+    link_rows, times, link_wrong = slow_link(flags, a.nproc, a.micro, a.inter_link, a.steps, a.tolerance)
     psi = next(iter(reports.values()))["n_params"]
     body = "\n".join([
         "## Gradient accumulation: a collective per micro-step or once a step", "",
@@ -141,12 +148,13 @@ def main():
         f"08 on a simulated {a.inter_link.replace(':', ' Gb/s, ')} us link between the nodes (--inter-link), "
         "median step time; the cost model's choice and the time it says that saves:", "", *link_rows])
     print(body)
-    for line in wrong + link_wrong:
-        print(f"check failed: {line}")
+    for kind, lines in (("bytes", wrong), ("time", link_wrong)):
+        for line in lines:
+            print(f"check failed ({kind}): {line}")
+    figure(points, times, a.micro, a.figure)
     if not a.no_write:
         write_section("accumulation", body)
-        figure(points, times, a.micro, FIGURE)
-        print(f"wrote docs/results.md and {os.path.relpath(FIGURE, ROOT)}")
+    print(f"wrote {'' if a.no_write else 'docs/results.md and '}{os.path.relpath(a.figure, ROOT)}")
     return 1 if wrong or link_wrong else 0
 
 
