@@ -11,7 +11,8 @@ is all-gathered: 2 Psi (N-1)/N elements per rank per step, as in 01 and 04.
 
 With --grad-accum K it reduce-scatters at every micro-step (as DeepSpeed stage 2 and FSDP2 do by
 default) and adds my slice into my gradient shard: K reduce-scatters a step. In bf16, micro-steps'
-gradients add up in fp32, never in bf16: the shard they add into is fp32.
+gradients add up in fp32, never in bf16: the shard they add into is fp32. --reduce-every step runs
+the micro-steps but the last in no_sync(): the whole gradient held (in fp32), one reduce-scatter.
 
     python 05_zero2.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 05_zero2.py                  # 2 ranks on CPU (gloo)

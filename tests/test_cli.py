@@ -215,6 +215,9 @@ def test_every_lesson_parses_the_shared_flags(name, monkeypatch, capsys):
     ("06_zero3", ["--layout", "uneven"], "--layout is for lesson 07 only: lesson 06 would ignore it"),
     ("06_zero3", ["--chunk-mb", "2"], "--chunk-mb is for lesson 07 only: lesson 06 would ignore it"),
     ("07_offload", ["--shard-group", "1"], "--shard-group is for lesson 08 only: lesson 07 would ignore it"),
+    # 01-04 reduce once a step already (02, 03: no_sync; 01, 04: after the last backward)
+    ("04_zero1", ["--reduce-every", "step"], "--reduce-every is for lessons 05 06 07 08 only: lesson 04 would ignore it"),
+    ("07_offload", ["--all-reduce-every", "step"], "--all-reduce-every is for lesson 08 only: lesson 07 would ignore it"),
     ("00_collectives", ["--precision", "bf16"], "--precision is for lessons 01-08 only: lesson 00 would ignore it"),
     ("00_collectives", ["--grad-accum", "2"], "--grad-accum is for lessons 01-08 only"),
     ("00_collectives", ["--activation-checkpointing", "block"], "--activation-checkpointing is for lessons 01-08 only"),
@@ -235,7 +238,8 @@ def test_each_lesson_takes_its_own_flags():
     from lessonkit import common
     # (and the tuning knobs, --bucket-mb and --prefetch, anywhere: a sweep passes one set of flags to all)
     for lesson, flags in (("03", ["--bucket-mb", "1"]), ("08", ["--prefetch", "0", "--shard-group", "1"]),
-                          ("07", ["--layout", "uneven", "--prefetch", "0", "--chunk-mb", "2"]), ("01", ["--precision", "bf16"]),
+                          ("07", ["--layout", "uneven", "--prefetch", "0", "--chunk-mb", "2", "--reduce-every", "step"]),
+                          ("08", ["--reduce-every", "step", "--all-reduce-every", "step"]), ("01", ["--precision", "bf16"]),
                           ("04", ["--bucket-mb", "1", "--prefetch", "0"]),
                           ("00", ["--seed", "3", "--n-layer", "1", "--d-model", "8", "--n-head", "2", "--seq-len", "4",
                                   "--vocab-size", "5", "--link", "1:50", "--timeout", "9", "--device", "cpu", "--bucket-mb", "1"])):
