@@ -13,7 +13,7 @@ from harness import all_close, close, gpt_train, launches, reference, run_lesson
 from lessons import build
 from routing import routed_reference, routed_train
 from stream_semantics import StreamSemantics
-from test_06_zero3 import padded, units
+from test_06_zero3 import padded, units, zero3_bf16_close
 from tolerances import TOL
 from toy import toy_reference, toy_train
 
@@ -39,6 +39,7 @@ def suite(world):
     out = {n: run_lesson(f, ARGV + ONCE + (shard if n == "08" else [])) for n, f in FILES.items()}
     out["08_ar"] = run_lesson("08_hybrid", ARGV + AR_ONCE + shard)
     out["08_ar_bf16"] = run_lesson("08_hybrid", ARGV + AR_ONCE + shard + ["--precision", "bf16"])
+    out["06_bf16"] = run_lesson("06_zero3", ARGV + ONCE + ["--precision", "bf16"])
     out["fsdp2"] = gpt_train("fsdp2", ARGV + ONCE)
     out["hsdp_ar"] = gpt_train("fsdp2_hsdp", ARGV + AR_ONCE, shard_group=g)
     # the toy: tied, frozen and unused parameters, 119 elements, ranks starting apart, 3 micro-steps
@@ -81,6 +82,16 @@ def test_reducing_once_trains_as_one_process(world):
     all_close(toy_reference(), results(world), [f"toy_{n}" for n in (*FILES, "08_ar", "fsdp2", "hsdp_ar")], TOL)
     all_close(toy_reference(weight_decay=0.1), results(world), ["toy_08_alone"], TOL)
     all_close(routed_reference(world, grad_accum=2), results(world), [f"routed_{n}" for n in (*FILES, "08_ar")], TOL)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_in_bf16_reducing_once_trains_as_one_process_does(world):
+    # the lessons' own bf16: the fp32 sum rounded once for a bf16 collective (test_accumulation
+    # holds that arithmetic bit for bit), held to 06's bf16 bounds against the bf16 reference
+    ref = reference(ARGV + ["--precision", "bf16"])
+    for rank_out in results(world):
+        for key in ("06_bf16", "08_ar_bf16"):
+            zero3_bf16_close(rank_out[key], ref)
 
 
 def same_weights(lesson, counterpart):
