@@ -42,6 +42,7 @@ def suite(world):
     out["06_bf16"] = run_lesson("06_zero3", ARGV + ONCE + ["--precision", "bf16"])
     out["fsdp2"] = gpt_train("fsdp2", ARGV + ONCE)
     out["hsdp_ar"] = gpt_train("fsdp2_hsdp", ARGV + AR_ONCE, shard_group=g)
+    out["hsdp"] = gpt_train("fsdp2_hsdp", ARGV + ONCE, shard_group=g)
     # the toy: tied, frozen and unused parameters, 119 elements, ranks starting apart, 3 micro-steps
     toy = dict(grad_accum=3, different_init=True)  # (FSDP2 broadcasts nothing: its ranks start alike)
     for n in FILES:
@@ -53,6 +54,7 @@ def suite(world):
                                     weight_decay=0.1, **toy)
     out["toy_fsdp2"] = toy_train(build, "fsdp2", reduce_every="step", grad_accum=3)
     out["toy_hsdp_ar"] = toy_train(build, "fsdp2_hsdp", all_reduce_every="step", shard_group=g, grad_accum=3)
+    out["toy_hsdp"] = toy_train(build, "fsdp2_hsdp", reduce_every="step", shard_group=g, grad_accum=3)
     # mixed precision accumulating in fp32 in both (FSDP2: a reduce_dtype of fp32; its bf16 one
     # accumulates in bf16, which no lesson does)
     for name, dtype in MIXED.items():
@@ -78,7 +80,7 @@ results = launches(suite)
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_reducing_once_trains_as_one_process(world):
-    all_close(reference(ARGV), results(world), (*FILES, "08_ar", "fsdp2", "hsdp_ar"), TOL)
+    all_close(reference(ARGV), results(world), (*FILES, "08_ar", "fsdp2", "hsdp_ar", "hsdp"), TOL)
     all_close(toy_reference(), results(world), [f"toy_{n}" for n in (*FILES, "08_ar", "fsdp2", "hsdp_ar")], TOL)
     all_close(toy_reference(weight_decay=0.1), results(world), ["toy_08_alone"], TOL)
     all_close(routed_reference(world, grad_accum=2), results(world), [f"routed_{n}" for n in (*FILES, "08_ar")], TOL)
@@ -113,6 +115,8 @@ def test_reducing_once_is_fsdp2_with_the_same_setting_bit_for_bit(world):
             same_weights(rank_out[lesson], rank_out["fsdp2"])
             close(rank_out[f"toy_{lesson}"], rank_out["toy_fsdp2"], EXACT)
         same_weights(rank_out["08_ar"], rank_out["hsdp_ar"])
+        same_weights(rank_out["08"], rank_out["hsdp"])
+        close(rank_out["toy_08"], rank_out["toy_hsdp"], EXACT)
         close(rank_out["toy_08_ar"], rank_out["toy_hsdp_ar"], EXACT)
         for name in MIXED:
             close(rank_out[f"toy_06_{name}"], rank_out[f"toy_fsdp2_{name}"], EXACT)
