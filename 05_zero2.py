@@ -11,8 +11,7 @@ is all-gathered: 2 Psi (N-1)/N elements per rank per step, as in 01 and 04.
 
 With --grad-accum K it reduce-scatters at every micro-step (as DeepSpeed stage 2 and FSDP2 do by
 default) and adds my slice into my gradient shard: K reduce-scatters a step. In bf16, micro-steps'
-gradients add up in fp32, never in bf16: the shard they add into is fp32. --reduce-every step runs
-the micro-steps but the last in no_sync(): the whole gradient held (in fp32), one reduce-scatter.
+gradients add up in fp32, never in bf16: the shard they add into is fp32.
 
     python 05_zero2.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 05_zero2.py                  # 2 ranks on CPU (gloo)
@@ -24,7 +23,6 @@ the micro-steps but the last in no_sync(): the whole gradient held (in fp32), on
 PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)` (the same communication; its
 parameters are sharded at rest, too); DeepSpeed: ZeRO stage 2.
 """
-import contextlib
 import functools
 import importlib
 
@@ -39,7 +37,7 @@ zero1 = importlib.import_module("04_zero1")  # its step on my shards (ShardOptim
 
 
 # ----------------------------------------------------------------------------- the strategy
-class ZeRO2Optimizer(torch.optim.Optimizer):
+class ZeRO2Optimizer(ddp.GradientSync, torch.optim.Optimizer):
     """A torch.optim.Optimizer shaped like PyTorch's `ZeroRedundancyOptimizer(params,
     optimizer_class, **defaults)`, used where a loop used that (and DDP: 05 reduces itself).
 
@@ -48,11 +46,9 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     optimizer_class   any torch.optim optimizer (AdamW, Adam, SGD, ...), over my shard of every bucket
     bucket_cap_mb     the bucket size, as in 03 and DDP
     first_bucket_cap_mb  bucket 0's, as in 03 and DDP (1 MiB): its reduce-scatter starts early
-    bucket_order      the parameters in the order the model registers them (`model.parameters()`);
-                      buckets follow it backwards, so bucket 0 holds the last layers, whose
-                      gradients come first, as 03's and DDP's do. None: the order of `params`.
-                      Decay groups are not that order (every matrix, then every bias and norm):
-                      bucket 0 would wait for the first block's norms, at the end of backward.
+    bucket_order      `model.parameters()`: buckets follow it backwards, so bucket 0 holds the last
+                      layers, whose gradients come first (03, DDP). None: the order of `params`, which
+                      decay groups sort (matrices first): bucket 0 would wait till backward's end.
     grad_clip         global-norm gradient clipping across all shards; 0 turns it off
     find_unused_parameters  as DDP's and 04's: a parameter no rank's backward reached is left alone
     **defaults        the optimizer's own arguments (lr, betas, momentum, ...)
@@ -114,25 +110,13 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                                                          find_unused_parameters, **defaults)
         super().__init__(self.shard_optimizer.masters, defaults)
         self.param_groups = self.shard_optimizer.param_groups  # what an lr_scheduler sets is what steps
-        # no_sync(): backwards inside keep adding into p.grad, in fp32 where it has 2 bytes (as 01-04)
-        self.require_backward_grad_sync, self.grad_accumulation = True, ddp.FP32Accumulation(self.params)
+        self.grad_accumulation = ddp.FP32Accumulation(self.params)
         # Fires during backward once p.grad is complete (a tied weight's: both uses summed).
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """DDP's (--reduce-every step on all micro-steps but the last): backwards inside reduce
-        nothing and keep the whole gradient; the next one outside reduce-scatters the sum once.
-        1/K of the reduce-scatters, for the whole gradient held where 2 Psi / N would do."""
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = True
-
     def _grad_ready(self, p):
-        if self.require_backward_grad_sync:  # (else p.grad keeps the sum: finish() takes one not renewed)
+        if self.require_backward_grad_sync:  # (else p.grad keeps the sum, in fp32 where it has 2 bytes)
             ddp.at_end_of_backward(self, self.finish_reduce_scatter)  # wait for all at its end
             self.grad_buckets.ready(p)
 
@@ -228,12 +212,11 @@ def main(argv=None):
         with run.step(step) as losses:
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
+                optimizer.set_requires_gradient_sync(args.reduce_every == "micro" or micro == args.grad_accum - 1)  # --reduce-every: 1)?
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
-                sync = args.reduce_every == "micro" or micro == args.grad_accum - 1  # --reduce-every step: the last
-                with contextlib.nullcontext() if sync else optimizer.no_sync():
-                    scaler.scale(loss).backward()  # 1) each bucket is reduce-scattered as soon as it is
-                losses.append(loss)  # full (no full gradient is kept); waited for at the end of backward
+                scaler.scale(loss).backward()  # 1) each bucket is reduce-scattered as soon as it is
+                losses.append(loss)  # full, every micro-step (no full gradient is kept); waited for at its end
             # (fp16: unscaled in my shards, in fp32; an inf or NaN in any rank's shards: every rank skips 2))
             scaler.step(optimizer)  # 2) AdamW on my shards  3) all-gather, bucket by bucket
             scaler.update()

@@ -31,13 +31,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP2's own (param_dtype, reduce_dtype)
 
-from lessonkit import checkpoint, common, flat_units, lifecycle, loss_scale, measure, optimizers
+from lessonkit import checkpoint, common, ddp, flat_units, lifecycle, loss_scale, measure, optimizers
 from lessonkit.schedule import UnitHooks
 from model import get_batch
 
 
 # ----------------------------------------------------------------------------- the strategy
-class ZeRO3(UnitHooks, nn.Module):
+class ZeRO3(UnitHooks, ddp.GradientSync, nn.Module):
     """Fully sharded data parallelism, used where a loop used FSDP2's `fully_shard`: `module`
     (maybe on the meta device, initialised a unit at a time by `param_init_fn(submodule, prefix)`,
     on `device`), `units` (submodules or lists of them, in forward's order, each gathered, freed
@@ -61,7 +61,6 @@ class ZeRO3(UnitHooks, nn.Module):
                                             shard_group, self._replicas(), place=self._place)
         self.shard_of = {p: s for u in self.units for p, s in zip(u.params, u.sharded)}
         self.grads_in_flight = []  # (unit, work, grad_shard): reduce-scatters not yet waited for
-        self.requires_gradient_sync = True  # False: set_requires_gradient_sync, below
         trainable = [p for u in self.units for p in u.trainable]
         self.used = optimizers.UsedParameters(trainable, self.units[0].shard.device) if find_unused_parameters else None
         self.register_hooks()  # each unit's module hooks, in forward's order (lessonkit/schedule.py)
@@ -72,13 +71,6 @@ class ZeRO3(UnitHooks, nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    def set_requires_gradient_sync(self, requires_gradient_sync, recurse=True):
-        """FSDP2's (--reduce-every step on all micro-steps but the last): False keeps each unit's
-        whole gradient between backwards, reduce-scattering nothing; the next backward with True
-        adds its own and reduce-scatters the sum once. 1/K of the reduce-scatters, for the whole
-        gradient held (in fp32, as every lesson adds micro-steps up) where 2 Psi / N would do."""
-        self.requires_gradient_sync = requires_gradient_sync
 
     def named_parameters(self, *args, **kwargs):
         """My shards, under the names of the module's parameters (a tied weight once)."""
@@ -129,18 +121,15 @@ class ZeRO3(UnitHooks, nn.Module):
         assert not unit.reduced, "a parameter used outside its unit's forward must belong to the root unit"
         if self.used:
             self.used.mark(p)
-        if unit.flat_grad is None:  # zeros: padding, frozen parts and unused parameters add 0
-            unit.flat_grad = unit.zeros(self.reduce_dtype or p.grad.dtype if self.requires_gradient_sync else torch.float32)
-        unit.flat_grad[offset:offset + p.numel()].view_as(p.grad).add_(p.grad)  # (onto earlier backwards' unsynced sum)
+        unit.add_grad(offset, p.grad, self.reduce_dtype, self.require_backward_grad_sync)  # (in reduce_dtype)
         p.grad = None  # the full gradient is not kept
 
     def _reduce_scatter(self, unit):
         """5) once the unit's backward is over, for its last call (a unit called twice: after both)."""
-        unit.reduced = True
-        if not self.requires_gradient_sync:  # its whole gradient stays, for a later backward's sum
+        if not self.require_backward_grad_sync:  # its whole gradient stays, for the next backward's sum
             return
         self._wait_reduce_scatters()  # the previous unit's: at most two full gradients alive
-        unit.flat_grad = self._flat_grad(unit)
+        unit.grad_to_reduce(self.reduce_dtype or unit.flat_param.dtype)
         # 5) the global-batch mean: divide by N, every rank (08 sums over the replicas after), then SUM
         # ### BEGIN SOLUTION: reduce-scatter a unit's gradient
         # GOAL: start, without blocking, the collective that leaves my shard_numel elements of the
@@ -151,12 +140,6 @@ class ZeRO3(UnitHooks, nn.Module):
         work = dist.reduce_scatter_tensor(grad_shard, unit.flat_grad, group=self.shard_group, async_op=True)
         self.grads_in_flight.append((unit, work, grad_shard))
         # ### END SOLUTION
-
-    def _flat_grad(self, unit):
-        """The unit's gradient to reduce, in reduce_dtype: an fp32 sum of unsynced backwards rounded
-        once; zeros where no gradient reached the unit here (it still takes part)."""
-        dtype = self.reduce_dtype or unit.flat_param.dtype
-        return unit.zeros(dtype) if unit.flat_grad is None else unit.flat_grad.to(dtype)
 
     def _wait_reduce_scatters(self):
         for unit, work, grad_shard in self.grads_in_flight:
@@ -172,15 +155,12 @@ class ZeRO3(UnitHooks, nn.Module):
         if root.trainable:
             self._reduce_scatter(root)  # the root's last: its embedding's gradient comes last
         self._wait_reduce_scatters()
-        unused = self.used.unused() if self.used and self._lands() else ()  # (marks stay till then)
+        unused = self.used.unused() if self.used and any(u.grad_shard is not None for u in self.units) else ()  # (kept sums: marks stay)
         for unit in self.units:
             if unit.grad_shard is not None:  # In bf16, micro-steps' gradients add up in fp32, never in bf16:
                 unit.add_to_shards_grad(self._reduced_grad(unit), unused)  # in my shards' fp32 .grad
                 unit.grad_shard = None
             unit.reduced = False
-
-    def _lands(self):  # this backward's gradients reach .grad (08: all-reduced across replicas too)
-        return self.requires_gradient_sync
 
     # ------------------------------------------------------------------ around the optimizer
     def clip_grad_norm_(self, max_norm):
@@ -218,8 +198,7 @@ def main(argv=None):
         with run.step(step) as losses:
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
-                # --reduce-every step: 5) only in the last micro-step's backward, of the fp32 sum
-                model.set_requires_gradient_sync(args.reduce_every == "micro" or micro == args.grad_accum - 1)
+                model.set_requires_gradient_sync(args.reduce_every == "micro" or micro == args.grad_accum - 1)  # --reduce-every: 5)?
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # 1) gather 2) forward 3) free, unit by unit
                 scaler.scale(loss).backward()  # 4) gather again 5) reduce-scatter into my shards' .grad, unit by unit

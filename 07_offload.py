@@ -97,13 +97,12 @@ class ZeRO3Offload(zero3.ZeRO3):
         super()._unshard(unit, wait)
 
     def _reduce_scatter(self, unit):
-        if self.layout == "even" or not self.requires_gradient_sync:
+        if self.layout == "even" or not self.require_backward_grad_sync:
             return super()._reduce_scatter(unit)
         self._wait_reduce_scatters()
-        grad = self._flat_grad(unit)
+        grad = unit.grad_to_reduce(self.reduce_dtype or unit.flat_param.dtype)
         work = dist.reduce(grad.div_(self.world_size), dst=unit.owner, async_op=True)  # the mean, to its owner
         self.grads_in_flight.append((unit, work, grad if self.rank == unit.owner else grad[:0]))
-        unit.reduced = True
 
     # ------------------------------------------------------------------ the copies
     def _copy(self, direction, dst, src):

@@ -86,9 +86,6 @@ class HybridShard(zero3.ZeRO3):
         whose 5b) all-reduces it once: the slow link carries 1/K of the bytes, for Psi / G held."""
         self.requires_all_reduce = requires_all_reduce
 
-    def _lands(self):
-        return self.requires_gradient_sync and (self.requires_all_reduce or self.replicate_group is None)
-
     def _replicas(self):
         return dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
 

@@ -1,6 +1,6 @@
 """DistributedDataParallel's shape, which 02 and 03 share so that a loop written for DDP runs
-them unchanged (Replicated; 01 takes only its base, Replicas), 02's wait at the end of backward
-for 03's buckets and 05's reduce-scatters (at_end_of_backward), and
+them unchanged (Replicated; 01 takes only its base, Replicas), no_sync() (GradientSync, 05-08's
+too), 02's wait at the end of backward for 03's buckets and 05's reduce-scatters (at_end_of_backward), and
 the fp32 sum of bf16 (fp16) micro-step gradients that 01-04 accumulate into (FP32Accumulation). The
 collectives here are bookkeeping: the broadcast of rank 0's weights when a strategy is built,
 and find_unused_parameters' flags.
@@ -56,14 +56,17 @@ class Replicas(nn.Module):
         return self.used.unused()
 
 
-class Replicated(Replicas):
-    """DistributedDataParallel's interface (02, 03): Replicas, and synchronization inside
-    loss.backward() itself: `require_backward_grad_sync` and `no_sync()` (gradient accumulation),
-    and at_end_of_backward(fn) (below), skipped in a no_sync() backward."""
+class GradientSync:
+    """Gradient accumulation without a collective per micro-step: a backward with
+    `require_backward_grad_sync` False only accumulates, and the next one with it True reduces
+    the sum once. Set by DDP's `no_sync()` (a context) or FSDP2's `set_requires_gradient_sync`
+    (02, 03; 05-08 with --reduce-every step). For the sharded lessons the trade is memory: the
+    whole gradient is held between micro-steps where 2 Psi / N would do (05: in p.grad, with its
+    fp32 sum; 06-08: each unit's fp32 sum), for K - 1 fewer reduce-scatters a step."""
+    require_backward_grad_sync = True
 
-    def __init__(self, module, find_unused_parameters=False):
-        super().__init__(module, find_unused_parameters)
-        self.require_backward_grad_sync = True
+    def set_requires_gradient_sync(self, requires_gradient_sync, recurse=True):
+        self.require_backward_grad_sync = requires_gradient_sync
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -73,6 +76,12 @@ class Replicated(Replicas):
             yield
         finally:
             self.require_backward_grad_sync = True
+
+
+class Replicated(Replicas, GradientSync):
+    """DistributedDataParallel's interface (02, 03): Replicas, and synchronization inside
+    loss.backward() itself: `require_backward_grad_sync` and `no_sync()` (GradientSync),
+    and at_end_of_backward(fn) (below), skipped in a no_sync() backward."""
 
     def at_end_of_backward(self, fn):
         if self.require_backward_grad_sync:
@@ -94,7 +103,7 @@ def at_end_of_backward(owner, fn):
 
 class FP32Accumulation:
     """Gradient accumulation (--grad-accum K > 1) of bf16 (or fp16) gradients, in fp32: every lesson's
-    convention (01-04 here; 05 and 06 add up their fp32 gradient shards). Autograd adds each
+    convention (01-04 here, and 05 under no_sync(); 05-08 otherwise add up their fp32 gradient shards). Autograd adds each
     micro-step's gradient into the bf16 p.grad, and a bf16 sum keeps 8 significant bits: every
     addition rounds away up to 2^-9 of the total, and a small micro-step's gradient can vanish
     whole. So from a parameter's second gradient on, each one is added into an fp32 accumulator

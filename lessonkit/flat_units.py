@@ -83,6 +83,21 @@ class Unit:
         """A zero gradient buffer for the whole unit: padding, frozen parts and unused parameters add 0."""
         return torch.zeros(self.numel_padded, dtype=dtype, device=self.flat_param.device)  # (07: not the host)
 
+    def add_grad(self, offset, grad, reduce_dtype, sync=True):
+        """A parameter's gradient (at `offset`) into the flat gradient: zeros in reduce_dtype (None:
+        the gradient's) until then, as padding, frozen parts and unused parameters add 0; or, in a
+        backward that does not synchronize (sync False: ddp.GradientSync), fp32 zeros, or the sum
+        earlier such backwards left there (grad_to_reduce rounds it once)."""
+        if self.flat_grad is None:
+            self.flat_grad = self.zeros(reduce_dtype or grad.dtype if sync else torch.float32)
+        self.flat_grad[offset:offset + grad.numel()].view_as(grad).add_(grad)
+
+    def grad_to_reduce(self, dtype):
+        """The flat gradient in `dtype` (an fp32 sum of several backwards: rounded once, here);
+        zeros where no gradient reached the unit on this rank, which still takes part."""
+        self.flat_grad = self.zeros(dtype) if self.flat_grad is None else self.flat_grad.to(dtype)
+        return self.flat_grad
+
     def add_to_shards_grad(self, grad, unused=()):
         """My reduced gradient shard `grad` into each sharded parameter's .grad, added to what
         earlier micro-steps left there (in the .grad's dtype: fp32, never 2 bytes); a frozen or

@@ -193,7 +193,8 @@ class UnitHooks:
 
     def _end_use(self, unit):  # one of its calls' backward is over: 5) after the last
         if self.schedule.last_use(unit.index) and unit.trainable:  # the same on every rank
-            self._reduce_scatter(unit)
+            self._reduce_scatter(unit)  # (or, while it keeps gradients whole, not: ddp.GradientSync)
+            unit.reduced = True
 
     @torch.no_grad()
     def _end_backward(self):

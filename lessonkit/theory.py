@@ -29,7 +29,7 @@ SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
 # sharded over a shard group of G ranks and replicated across R = N / G of them: 08 and FSDP2's HSDP
 HYBRID = ("hybrid", "torch_fsdp2_hsdp")
 # the lessons that keep whole gradients and add bf16 (fp16) micro-steps into a whole fp32 accumulator
-# (05 and 06 add into their fp32 gradient shards instead)
+# (05-08 add into their fp32 gradient shards instead; 05 under no_sync() does this too: theory_memory)
 ACCUMULATE_FP32 = ("vanilla_dp", "async_allreduce", "buckets", "zero1")
 
 

@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 
+from lessonkit import common
 from scripts.learn import cost_model
 from scripts.learn.results import machine, write_section
 from scripts.runs import ROOT, Parser, launch, mib, tool_main
@@ -133,6 +134,10 @@ def main():
     p.add_argument("--no-write", action="store_true", help="print, do not write docs/results.md")
     p.add_argument("--figure", default=FIGURE, help="where to draw the figure")
     a, flags = p.parse_known_args()
+    unknown = common.build_parser().parse_known_args(flags)[1]  # the lessons' flags, checked before any run
+    if unknown or a.nproc < 2 or a.nproc % 2 or min(a.micro) < 1:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}" if unknown else
+                f"--nproc {a.nproc} must be even (08 runs as 2 nodes), and --micro at least 1")
     flags = ["--steps", "2", "--measure-step", "1", "--global-batch", str(a.nproc * max(a.micro)),
              "--n-layer", "2", "--d-model", "64", "--log-every", "100", *flags]
     named = runs(a.micro)
