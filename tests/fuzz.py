@@ -453,7 +453,8 @@ def resumed(case, name, make, trainer, checkpoint_dir, step):
     saved = handles(name, trainer)
     before = held_state(*saved)
     scaler = loss_scaler(name, case)  # (fp16; else None) its state saved in meta.json, as by Checkpointer
-    checkpoint.save(path, step, *saved, {"strategy": name, "loss_scale": scaler and trainer.scaler.scaler.state_dict()})
+    checkpoint.save(path, step, *saved, {"strategy": name, "loss_scale": scaler and trainer.scaler.scaler.state_dict(),
+                                         "skipped": list(trainer.scaler.skipped)})  # (fp16: what led to this state)
     dist.barrier()  # (rank 0 writes meta.json and COMPLETE after the others have returned from save)
     # another lesson's checkpoint of this step, where it ran before this one (case["resume_from"])
     other = os.path.join(checkpoint_dir[:-len(name)] + case.get("resume_from", name), f"step_{step:06d}")
@@ -463,7 +464,9 @@ def resumed(case, name, make, trainer, checkpoint_dir, step):
     if scaler is not None:
         scaler.load_state_dict(meta["loss_scale"])
     model, new = make(case["seed"] + 1, scaler)
-    new.scaler.skipped, new.scaler.steps = trainer.scaler.skipped, trainer.scaler.steps  # (the loop's record)
+    # the loop's record: from another lesson's checkpoint, that lesson's steps skipped before it (fp16:
+    # its history is the state's; a run that skipped other steps there is held to what it loaded)
+    new.scaler.skipped, new.scaler.steps = list(meta.get("skipped", trainer.scaler.skipped)), trainer.scaler.steps
     loaded = handles(name, new)
     checkpoint.load(source, *loaded)
     if source != path:  # what it holds now, saved again, is the state the other lesson saved
@@ -748,7 +751,11 @@ def findings(case, ranks, lessons=LESSONS):
             # where one process skipped [0], FSDP2 [1] and 05, 05's counterpart within bounds at step 0, none)
             settled = ran_well and skipped.get(other) == skipped["reference"]
             later = name in LATER and case["accum"] > 1 and skipped_later(skipped.get(name, []), skipped["reference"])
-            if skipped.get(name) != skipped["reference"] and settled and not alike and not later:
+            # a run that loaded another lesson's checkpoint took that lesson's steps before it (resumed)
+            writer = case.get("resume_from")
+            inherited = writer in ran and LESSONS.index(writer) < LESSONS.index(name) and \
+                set(skipped.get(name, [])) ^ set(skipped["reference"]) <= set(range(case["resume"]))
+            if skipped.get(name) != skipped["reference"] and settled and not alike and not later and not inherited:
                 out.append((name, "skipped steps", f"{skipped[name]}, where one process skipped "
                             f"{skipped['reference']} and {other} {skipped.get(other, '(did not run)')}"))
             why = stepped_later(ranks[0][name], ref, skipped, name, loss_atol) if later else None
