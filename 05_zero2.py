@@ -212,7 +212,7 @@ def main(argv=None):
         with run.step(step) as losses:
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
-                optimizer.set_requires_gradient_sync(args.reduce_every == "micro" or micro == args.grad_accum - 1)  # --reduce-every: 1)?
+                optimizer.set_requires_gradient_sync(args.reduce_every == "micro" or micro == args.grad_accum - 1)  # step: 1) at the last
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
                 scaler.scale(loss).backward()  # 1) each bucket is reduce-scattered as soon as it is

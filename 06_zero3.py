@@ -198,7 +198,7 @@ def main(argv=None):
         with run.step(step) as losses:
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
-                model.set_requires_gradient_sync(args.reduce_every == "micro" or micro == args.grad_accum - 1)  # --reduce-every: 5)?
+                model.set_requires_gradient_sync(args.reduce_every == "micro" or micro == args.grad_accum - 1)  # step: 5) at the last
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum  # 1) gather 2) forward 3) free, unit by unit
                 scaler.scale(loss).backward()  # 4) gather again 5) reduce-scatter into my shards' .grad, unit by unit

@@ -93,12 +93,13 @@ class HybridShard(zero3.ZeRO3):
         done = [unit for unit, _, _ in self.grads_in_flight]
         super()._wait_reduce_scatters()  # 5) done: unit.grad_shard, summed over my shard group
         for unit in (done if self.replicate_group is not None else ()):  # (None: no replicas)
-            if unit.partial_grad is not None or not self.requires_all_reduce:
-                unit.partial_grad = (unit.grad_shard.float() if unit.partial_grad is None
-                                     else unit.partial_grad.add_(unit.grad_shard))
-                if not self.requires_all_reduce:  # kept: nothing crosses to the replicas now
+            if unit.partial_grad is not None or not self.requires_all_reduce:  # --all-reduce-every step:
+                unit.partial_grad = (unit.grad_shard.float() if unit.partial_grad is None  # my group's sum
+                                     else unit.partial_grad.add_(unit.grad_shard))      # of micro-steps, fp32
+                if not self.requires_all_reduce:  # kept: nothing crosses to the replicas in this backward
                     unit.grad_shard = None
-                    continue  # else all micro-steps' sum, rounded once, crosses below
+                    continue
+                # the last micro-step's backward: the sum, rounded once, crosses below
                 unit.grad_shard, unit.partial_grad = unit.partial_grad.to(unit.grad_shard.dtype), None
             # ### BEGIN SOLUTION: all-reduce a gradient shard across the replicas
             # GOAL: 5b) unit.grad_shard, summed over my shard group, becomes the sum over every rank,
