@@ -9,7 +9,7 @@
    all-reduce at every micro-step or once a step: the step time, and the cost model's
    recommendation (cost_model.accumulation_choice) checked against it: the choice it makes is
    the faster one measured, and the time it says that saves is within --tolerance of the time
-   measured saved.
+   measured saved (both as a share of that saving).
 
 Writes docs/results.md's "accumulation" section and docs/figures/accumulation.png; exits 1 where
 a check fails. Every flag it does not know goes to the lessons (e.g. --n-layer 2).
@@ -87,8 +87,8 @@ def slow_link(flags, nproc, ks, inter, steps, tolerance):
                     f"{pick['all_reduce_every']}|{pick['saved_s'] * 1e3:.0f}|")
         if k == 1:  # one micro-step: the two are one program
             continue
-        if times[k, pick["all_reduce_every"]] > min(times[k, "micro"], times[k, "step"]):
-            wrong.append(f"K={k}: the model picked {pick['all_reduce_every']}, measured slower")
+        if times[k, pick["all_reduce_every"]] > min(times[k, "micro"], times[k, "step"]) + tolerance * pick["saved_s"]:
+            wrong.append(f"K={k}: the model picked {pick['all_reduce_every']}, measured slower")  # (beyond the noise allowed)
         if not abs(measured - pick["saved_s"]) <= tolerance * pick["saved_s"]:
             wrong.append(f"K={k}: saving measured {measured * 1e3:.0f} ms, the model {pick['saved_s'] * 1e3:.0f} ms")
     return rows, times, wrong
