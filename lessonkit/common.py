@@ -94,7 +94,7 @@ def parse_args(argv=None, description=""):
     args, world = parser.parse_args(argv), launched_world()
     lesson = description[7:9] if description.startswith("Lesson ") else ""  # "Lesson 07: ..."
     # a flag this lesson would ignore is refused (knobs pass); 00 trains nothing: it takes the GPT's shape, --seed, --link, run flags
-    trains, a = "01 02 03 04 05 06 07 08", args
+    trains, a = "01 02 03 04 05 06 07 08 09", args
     untrained = [(f"--{k.replace('_', '-')}", trains, v != parser.get_default(k)) for k, v in vars(a).items() if k not in (
         "seed", "seq_len", "vocab_size", "n_layer", "d_model", "n_head", "link", "collectives", "device", "timeout",
         "report", "bucket_mb", "prefetch", "layout", "chunk_mb", "shard_group", "reduce_every", "all_reduce_every")]
@@ -102,7 +102,7 @@ def parse_args(argv=None, description=""):
                                 "05 06 07 08", a.reduce_every != "micro"), ("--all-reduce-every", "08", a.all_reduce_every != "micro"),
                                 ("--shard-group", "08", a.shard_group and not a.inter_link), *untrained):
         if lesson and given and lesson not in owners:
-            fail(f"{flag} is for lesson{'s 01-08' if owners == trains else ('s ' if ' ' in owners else ' ') + owners} only: lesson {lesson} would ignore it")
+            fail(f"{flag} is for lesson{'s 01-09' if owners == trains else ('s ' if ' ' in owners else ' ') + owners} only: lesson {lesson} would ignore it")
     for name, least in [(n, 1) for n in ("steps", "global_batch", "grad_accum", "seq_len", "n_layer", "d_model", "n_head",
                                          "log_every")] + [("vocab_size", 2)] + [(n, 0) for n in ("weight_decay", "warmup_steps", "save_every", "chunk_mb", "seed")]:
         if not least <= getattr(args, name) < 2 ** 32:  # (--save-every 0: never; nan and inf fail too; seeds times 1,000,003 stay in 64 bits)

@@ -24,9 +24,10 @@ from lessonkit.theory import (HYBRID, buckets_in_flight, theory_activations, the
 class Run:
     """Per-step timing, rank-0 logging, measurement of one chosen step, summary and report."""
 
-    def __init__(self, args, env, strategy, model, optimizer, holders=(), loss_scaler=None):
+    def __init__(self, args, env, strategy, model, optimizer, holders=(), loss_scaler=None, theory=None):
         self.args, self.env, self.strategy = args, env, strategy
-        self.loss_scaler = loss_scaler  # fp16: its scale and skipped steps go in the report
+        # loss_scaler: fp16's scale and skipped steps go in the report; theory: 09's layout's formulas, per rank
+        self.loss_scaler, self.theory = loss_scaler, theory
         self.model, self.optimizer = model, optimizer
         self.psi = common.n_params(model) if not hasattr(model, "n_params") else model.n_params
         self.ledger = MemoryLedger(model, [*holders, optimizer])
@@ -144,7 +145,8 @@ class Run:
                     "wire_bytes": self.comm.wire_bytes,
                     "overlap": self.timing.overlap() or (self.trace and self.trace.gpu_overlap),
                     "timeline": self.trace and self.trace.timeline(),  # --trace: the chart's, per rank
-                    "copies": self.copies}  # 07's host <-> device copies in the measured step
+                    "copies": self.copies,  # 07's host <-> device copies in the measured step
+                    "optimizer_flops": getattr(self.optimizer, "flops", None)}  # 09's, counted (FlopCounterMode)
         if self.env.master:  # rank 0's parameter bytes over the measured step
             measured["params_timeline"] = self.params_timeline
         if self.cuda:  # what the caching allocator handed out: over the run, and in the measured step
@@ -203,6 +205,12 @@ class Run:
                        **({"theory_tiers": theory_tiers(self.psi, n, a.precision)} if self.strategy == "offload" else {}),
                        "params_timeline": gathered[0].get("params_timeline")},
         }
+        if self.theory:  # 09: each rank owns whole parameters, its own share: every rank's formulas
+            own = self.theory()
+            mem_theory.update({k: own["per_rank"][0][k] for k in ("params", "grads", "optimizer")})
+            report["comm"]["theory_ring_bytes_per_step"], report["padding"] = own["ring_bytes"], own["padding"]
+            report["owners"] = [{**t, "measured_optimizer": g["memory"]["optimizer"], "measured_flops": g["optimizer_flops"]}
+                                for t, g in zip(own["per_rank"], gathered)]
         if self.strategy == "hybrid" or getattr(a, "inter_link", None):  # 08, or nodes: each link beside its formula
             report["comm"]["per_link"] = self._per_link(gathered, shard, every)
         return report

@@ -89,6 +89,15 @@ def print_summary(r):
             print(f"  copies per rank, host->device MiB: {' | '.join(f'{b / mib:.2f}' for b in each)} (uneven: rank "
                   f"{each.index(max(each))} copies {max(each) / (sum(each) / len(each)):.2f}x the even share, and "
                   "steps as much more on its host)", flush=True)
+    if r.get("owners"):  # 09: whole parameters per owner; its share of the work and of the state
+        print("  owners (09), per rank: elements owned | optimizer MiB measured (formula) | Newton-Schulz GFLOP counted "
+              "(formula): " + " | ".join(f"rank {i} {o['owned']:,} {o['measured_optimizer'] / mib:.2f} ({o['optimizer'] / mib:.2f}) "
+                                         f"{(o['measured_flops'] or 0) / 1e9:.3f} ({o['flops'] / 1e9:.3f})"
+                                         for i, o in enumerate(r["owners"])), flush=True)
+        flops = [o["flops"] for o in r["owners"]]
+        print(f"  layout (09): padding {r['padding']:,} elements ({r['padding'] / r['n_params']:.1%} of Psi, held and sent "
+              f"by every rank) | Newton-Schulz imbalance: the busiest rank does {max(flops) / (sum(flops) / len(flops) or 1):.2f}x "
+              "the mean", flush=True)
     if m.get("cuda_step_peak") is not None:  # everything the step allocated: activations too
         states = ("params", "grads", "optimizer")  # 07: its device tier's alone, the GPU's share
         tier = r["memory"]["theory_tiers"]["device"] if "host" in m else None

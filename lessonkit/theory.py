@@ -17,7 +17,7 @@ STATE_BYTES = {"fp32": {"params": 4, "grads": 4, "optimizer": 8},
                **{precision: {"params": 2, "grads": 2, "optimizer": 12} for precision in MIXED}}
 # which states each stage divides by N
 SHARDED = {"vanilla_dp": (), "async_allreduce": (), "buckets": (),
-           "zero1": ("optimizer",), "zero2": ("optimizer", "grads"),
+           "zero1": ("optimizer",), "zero2": ("optimizer", "grads"), "muon": ("optimizer",),  # 09: by owner
            "zero3": ("optimizer", "grads", "params"), "offload": ("optimizer", "grads", "params"),
            "hybrid": ("optimizer", "grads", "params"),  # 08: over its shard group (world = G there)
            # PyTorch's counterparts, run by scripts/torch_reference.py for the benchmark
