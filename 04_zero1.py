@@ -97,9 +97,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         # The optimizer on my shard only: fp32 master weights of it (in fp32 mode the shard is
         # its own master) and a real torch.optim optimizer over them, so Adam moments exist for
         # my shard alone, in the caller's param groups (weight decay on matrices only, say).
-        self.shard_optimizer = ShardOptimizer(groups, [(self.params, self.param_shard, start)],
-                                                         optimizer_class, grad_clip, find_unused_parameters,
-                                                         **defaults)
+        self.shard_optimizer = ShardOptimizer(groups, [(self.params, self.param_shard, start)], optimizer_class,
+                                              grad_clip, find_unused_parameters, **defaults)
         super().__init__(self.shard_optimizer.masters, defaults)
         self.param_groups = self.shard_optimizer.param_groups  # what an lr_scheduler sets is what steps
         # in bf16 (fp16), from a parameter's second micro-step on: an fp32 sum, 4 bytes per parameter
@@ -186,6 +185,7 @@ class ShardOptimizer:
     """
 
     def __init__(self, groups, shards, optimizer_class, grad_clip=0.0, find_unused_parameters=False, **defaults):
+        optimizers.refuse_matrix_optimizer(optimizer_class)  # Muon needs whole matrices: 09
         self.layouts, self.shards, self.starts = (list(x) for x in zip(*shards))
         self.grad_clip = grad_clip
         # in bf16 a copy, from the fp32 initial weights (a bf16 run starts where the fp32 run starts)

@@ -26,6 +26,14 @@ def param_groups(params):
     return out, frozen
 
 
+def refuse_matrix_optimizer(optimizer_class):
+    """04-05 step flat shards, cut wherever the buffer's N-th falls: refuse an optimizer that needs
+    whole matrices (torch.optim.Muon orthogonalizes each), before torch fails on a 1-D shard."""
+    if "muon" in getattr(optimizer_class, "__name__", "").lower():
+        raise ValueError(f"{optimizer_class.__name__} orthogonalizes whole matrices, and a flat shard holds pieces "
+                         "of them: use 09_muon.py's ZeROMuon, which gives each rank whole matrices")
+
+
 @torch.no_grad()
 def clip_grad_norm_(grads, max_norm, device, group=None):
     """Global-norm clipping, as torch.nn.utils.clip_grad_norm_ over the whole model, of gradients

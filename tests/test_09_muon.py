@@ -85,8 +85,20 @@ class _nothing:
         return False
 
 
+def refusals():
+    """What 04's and 05's sharded optimizers say when handed torch.optim.Muon (in a rank: they shard)."""
+    said = {}
+    for lesson, name in (("04_zero1", "ZeRO1Optimizer"), ("05_zero2", "ZeRO2Optimizer")):
+        model = torch.nn.Linear(4, 6)
+        try:
+            getattr(load_lesson(lesson), name)(model.parameters(), torch.optim.Muon, lr=0.02)
+        except ValueError as e:
+            said[lesson] = str(e)
+    return said
+
+
 def suite(world):
-    out = {}
+    out = {"refusals": refusals()} if world == 1 else {}
     for key, argv in argvs(world).items():
         out[key] = run_lesson(LESSON, argv)
         with fp32_newton_schulz():
@@ -129,7 +141,7 @@ def bf16_close(world, fp32_iteration):
 # ----------------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_rank_holds_the_same_weights(world):
-    for key, out in results(world)[0].items():
+    for key, out in ((k, v) for k, v in results(world)[0].items() if k != "refusals"):
         for other in results(world)[1:]:
             assert all(torch.equal(other[key]["params"][n], p) for n, p in out["params"].items()), key
 
@@ -173,10 +185,30 @@ def test_bytes_memory_and_newton_schulz_flops_equal_their_formulas(world):
 
 def test_owners_balance_newton_schulz_work_not_bytes():
     lesson = load_lesson(LESSON)
-    shapes = [(1024, 64), (64, 64), (64, 64), (64, 64), (64, 64)]  # one large matrix, four cheap ones
+    # a square matrix of 65,536 elements and two thin ones of 69,632: Newton-Schulz costs the square
+    # one about 20x what a thin one costs
+    shapes = [(256, 256), (4096, 17), (17, 4096)]
     params = [torch.zeros(s) for s in shapes]
     owner = lesson.owners(params, set(params), 2)
+    # by bytes the third would join the square one (the rank with fewer elements); by work, the thin one
+    assert owner[params[0]] != owner[params[1]] == owner[params[2]]
     work = [sum(lesson.newton_schulz_flops(p.shape) for p in params if owner[p] == r) for r in range(2)]
-    # the large matrix alone on one rank: its work 2.8x all four others' together, as elements 4x
-    assert owner[params[0]] != owner[params[1]] == owner[params[4]]
     assert max(work) - min(work) <= max(lesson.newton_schulz_flops(s) for s in shapes)
+
+
+def test_04_and_05_refuse_muon_in_one_line_naming_09():
+    said = results(1)[0]["refusals"]
+    assert set(said) == {"04_zero1", "05_zero2"}, said
+    for line in said.values():
+        assert "\n" not in line and "whole matrices" in line and "09_muon.py" in line, line
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_embeddings_the_tied_head_norms_and_biases():
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=2))
+    name = {p: n for n, p in model.named_parameters()}
+    muon, decay, rest = ({name[p] for p in g["params"]} for g in load_lesson(LESSON).muon_groups(model, 0.1))
+    assert muon == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    assert decay == {"wte.weight", "wpe.weight"}  # (lm_head.weight is wte.weight: one parameter)
+    assert rest == set(name.values()) - muon - decay and all(n.endswith(("bias", "ln_1.weight", "ln_2.weight",
+                                                                        "ln_f.weight")) for n in rest)
