@@ -26,8 +26,7 @@ class Run:
 
     def __init__(self, args, env, strategy, model, optimizer, holders=(), loss_scaler=None, theory=None):
         self.args, self.env, self.strategy = args, env, strategy
-        # loss_scaler: fp16's scale and skipped steps go in the report; theory: 09's layout's formulas, per rank
-        self.loss_scaler, self.theory = loss_scaler, theory
+        self.loss_scaler, self.theory = loss_scaler, theory  # fp16's scale and skipped steps: the report; theory: 09's
         self.model, self.optimizer = model, optimizer
         self.psi = common.n_params(model) if not hasattr(model, "n_params") else model.n_params
         self.ledger = MemoryLedger(model, [*holders, optimizer])
@@ -60,8 +59,7 @@ class Run:
         measure = step == self.measure_step
         micro_losses = MicroSteps(self.ledger) if measure and self.args.grad_accum > 1 else []
         self._sync()
-        if measure and self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats() if measure and self.cuda else None
         t0 = time.perf_counter()
         if measure:
             trace = self.trace.measuring() if self.trace else nullcontext()
@@ -73,8 +71,7 @@ class Run:
             if wire is not None:  # what each process group's ring collectives wrote in this step
                 self.wire = {name: b - wire.get(name, 0) for name, b in self.wire.items()}
             self.copies = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in (before[0] if before else ())} or None
-            if self.cuda:
-                self.cuda_step_peak = torch.cuda.max_memory_allocated()
+            self.cuda_step_peak = torch.cuda.max_memory_allocated() if self.cuda else None
             self.held_grads = getattr(micro_losses, "held_grads", None)
         else:  # with --peak-params 1, the step after the measured one times the overlap
             timed = self.timing is not self.comm and step == self.measure_step + 1
@@ -120,8 +117,7 @@ class Run:
         track = getattr(self.args, "peak_params", 1)
         try:
             with probe if track else nullcontext():
-                if track:
-                    probe.sample()
+                probe.sample() if track else None
                 yield
         finally:
             stepper.step = original
@@ -205,12 +201,8 @@ class Run:
                        **({"theory_tiers": theory_tiers(self.psi, n, a.precision)} if self.strategy == "offload" else {}),
                        "params_timeline": gathered[0].get("params_timeline")},
         }
-        if self.theory:  # 09: each rank owns whole parameters, its own share: every rank's formulas
-            own = self.theory()
-            mem_theory.update({k: own["per_rank"][0][k] for k in ("params", "grads", "optimizer")})
-            report["comm"]["theory_ring_bytes_per_step"], report["padding"] = own["ring_bytes"], own["padding"]
-            report["owners"] = [{**t, "measured_optimizer": g["memory"]["optimizer"], "measured_flops": g["optimizer_flops"]}
-                                for t, g in zip(own["per_rank"], gathered)]
+        if self.theory:  # 09: each rank owns whole parameters, its own share: its layout's formulas
+            self.theory(report, gathered)
         if self.strategy == "hybrid" or getattr(a, "inter_link", None):  # 08, or nodes: each link beside its formula
             report["comm"]["per_link"] = self._per_link(gathered, shard, every)
         return report

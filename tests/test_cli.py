@@ -218,16 +218,16 @@ def test_every_lesson_parses_the_shared_flags(name, monkeypatch, capsys):
     # 01-04 reduce once a step already (02, 03: no_sync; 01, 04: after the last backward)
     ("04_zero1", ["--reduce-every", "step"], "--reduce-every is for lessons 05 06 07 08 only: lesson 04 would ignore it"),
     ("07_offload", ["--all-reduce-every", "step"], "--all-reduce-every is for lesson 08 only: lesson 07 would ignore it"),
-    ("00_collectives", ["--precision", "bf16"], "--precision is for lessons 01-08 only: lesson 00 would ignore it"),
-    ("00_collectives", ["--grad-accum", "2"], "--grad-accum is for lessons 01-08 only"),
-    ("00_collectives", ["--activation-checkpointing", "block"], "--activation-checkpointing is for lessons 01-08 only"),
-    ("00_collectives", ["--checkpoint-dir", "ckpt"], "--checkpoint-dir is for lessons 01-08 only"),
+    ("00_collectives", ["--precision", "bf16"], "--precision is for lessons 01-09 only: lesson 00 would ignore it"),
+    ("00_collectives", ["--grad-accum", "2"], "--grad-accum is for lessons 01-09 only"),
+    ("00_collectives", ["--activation-checkpointing", "block"], "--activation-checkpointing is for lessons 01-09 only"),
+    ("00_collectives", ["--checkpoint-dir", "ckpt"], "--checkpoint-dir is for lessons 01-09 only"),
     # (once run as if given: 00 takes the GPT's shape, --seed, --link and the run's own flags only)
-    ("00_collectives", ["--steps", "5"], "--steps is for lessons 01-08 only: lesson 00 would ignore it"),
-    ("00_collectives", ["--lr", "1"], "--lr is for lessons 01-08 only"),
-    ("00_collectives", ["--global-batch", "3"], "--global-batch is for lessons 01-08 only"),
-    ("00_collectives", ["--trace", os.path.join(tempfile.gettempdir(), "refused")], "--trace is for lessons 01-08 only"),
-    ("00_collectives", ["--inter-link", "1:50", "--ranks-per-node", "1"], "--inter-link is for lessons 01-08 only"),
+    ("00_collectives", ["--steps", "5"], "--steps is for lessons 01-09 only: lesson 00 would ignore it"),
+    ("00_collectives", ["--lr", "1"], "--lr is for lessons 01-09 only"),
+    ("00_collectives", ["--global-batch", "3"], "--global-batch is for lessons 01-09 only"),
+    ("00_collectives", ["--trace", os.path.join(tempfile.gettempdir(), "refused")], "--trace is for lessons 01-09 only"),
+    ("00_collectives", ["--inter-link", "1:50", "--ranks-per-node", "1"], "--inter-link is for lessons 01-09 only"),
 ])
 def test_a_flag_the_lesson_would_ignore_is_refused(name, flags, msg, monkeypatch, capsys):
     from scripts.runs import load_lesson
