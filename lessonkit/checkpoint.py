@@ -50,8 +50,7 @@ def save(path, step, module, holder, meta):
         kinds, state = {"param": s.tensors["param"]}, {}
         if reshard.master_of(s) is not None:
             start, master, separate = reshard.master_of(s)
-            if separate:
-                kinds["master"] = (start, master)
+            kinds.update({"master": (start, master)} if separate else {})
             state = s.optim.state.get(master, {})  # empty until the optimizer's first step
             kinds.update({k: (start, v) for k, v in state.items()  # exp_avg, exp_avg_sq; SGD's momentum_buffer
                           if k != "step" and torch.is_tensor(v) and v.numel() == master.numel()})
@@ -226,11 +225,12 @@ class Checkpointer:
                  f"now {self.env.world_size}{by}")
         return meta["step"]
 
-    def _check(self, meta):
-        # the lesson that wrote it need not match: its layout is the writer's detail, not the state's
+    def _check(self, meta):  # the lesson that wrote it need not match (its layout is its own), its optimizer must
         ours = {k: getattr(self.args, k) for k in self.MUST_MATCH}
         theirs = {k: meta["config"].get(k, ours[k]) for k in self.MUST_MATCH}  # (DCP's own files: no flags saved)
         differ = [f"{k} {theirs[k]} (checkpoint) != {ours[k]} (this run)" for k in ours if ours[k] != theirs[k]]
+        if "muon" in (meta["strategy"], self.strategy) and meta["strategy"] != self.strategy:  # 09: Muon's, not AdamW's
+            differ.append(f"its optimizer state is {meta['strategy']}'s, this run's {self.strategy}'s (09 steps Muon)")
         if differ:
             raise CheckpointError(f"{self.path} does not match this run: {'; '.join(differ)}")
         if meta["step"] >= self.args.steps and self.args.resume != "auto":

@@ -17,14 +17,19 @@ AdamW's bf16 ends 4.7% from its fp32. 09 in bf16 must end no farther than MUON_B
 that from one process in bf16 (measured 0.8-0.9 times); a lost micro-step or an owner stepping
 another matrix's gradient ends 50% and more away.
 """
+import functools
+import os
+import tempfile
+
 import pytest
 import torch
 
 from graded import load_lesson
-from harness import close, comm_ops, held, launches, memory_theory, run_lesson, sent_bytes, theory_bytes
+from harness import close, comm_ops, held, memory_theory, once, run_lesson, sent_bytes, spawn, theory_bytes
 from lessonkit import common, optimizers
 from model import global_batch
 from scripts.learn.muon_gaps import fp32_newton_schulz
+from test_checkpoint import copy_checkpoint, refused
 from tolerances import TOL
 from zero_parity import ARGV, BF16_LOSS_ATOL, initial_params
 
@@ -97,8 +102,28 @@ def refusals():
     return said
 
 
-def suite(world):
+SAVE = ["--steps", "6", "--save-every", "2"]
+
+
+def checkpoints(world, root):
+    """At 2 ranks: a run saving every 2 steps, and one resumed from its step 4; each way between 04's
+    and 09's checkpoints, the refusal. At 3 ranks: a run resumed from the 2-rank run's step 4."""
+    base, CKPT = argvs(3)["accum_clip"], root  # (12 sequences: 2 and 3 ranks divide them)
+    if world == 3:
+        return {"other_world": run_lesson(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "resume"), "--resume"])}
+    out = {"whole": run_lesson(LESSON, base + SAVE + ["--checkpoint-dir", os.path.join(CKPT, "09")])}
+    copy_checkpoint(os.path.join(CKPT, "09"), 4, os.path.join(CKPT, "resume"))
+    out["resumed"] = run_lesson(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "resume"), "--resume"])
+    run_lesson("04_zero1", base + SAVE + ["--checkpoint-dir", os.path.join(CKPT, "04")])
+    out["refused"] = [refused(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "04"), "--resume"]),
+                      refused("04_zero1", base + ["--checkpoint-dir", os.path.join(CKPT, "09"), "--resume"])]
+    return out
+
+
+def suite(world, root):
     out = {"refusals": refusals()} if world == 1 else {}
+    if world in (2, 3):
+        out["checkpoints"] = checkpoints(world, root)
     for key, argv in argvs(world).items():
         out[key] = run_lesson(LESSON, argv)
         with fp32_newton_schulz():
@@ -106,7 +131,16 @@ def suite(world):
     return out
 
 
-results = launches(suite)
+@once
+def results(world):
+    """Each rank's suite(world), one launch per world size; the checkpoints' folder is made here,
+    in pytest's process, and handed to the ranks (world 2 saves there, world 3 resumes from it)."""
+    return spawn(world, suite, world, _root())
+
+
+@functools.lru_cache(maxsize=None)
+def _root():
+    return tempfile.mkdtemp(prefix="test_09_")
 
 
 def ref(world, key, fp32_iteration=False):
@@ -141,7 +175,7 @@ def bf16_close(world, fp32_iteration):
 # ----------------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_rank_holds_the_same_weights(world):
-    for key, out in ((k, v) for k, v in results(world)[0].items() if k != "refusals"):
+    for key, out in ((k, v) for k, v in results(world)[0].items() if k not in ("refusals", "checkpoints")):
         for other in results(world)[1:]:
             assert all(torch.equal(other[key]["params"][n], p) for n, p in out["params"].items()), key
 
@@ -212,3 +246,17 @@ def test_muon_takes_the_hidden_matrices_and_adamw_embeddings_the_tied_head_norms
     assert decay == {"wte.weight", "wpe.weight"}  # (lm_head.weight is wte.weight: one parameter)
     assert rest == set(name.values()) - muon - decay and all(n.endswith(("bias", "ln_1.weight", "ln_2.weight",
                                                                         "ln_f.weight")) for n in rest)
+
+
+def test_a_resumed_run_is_the_uninterrupted_run_at_any_world_size():
+    ck = results(2)[0]["checkpoints"]
+    whole, resumed = ck["whole"], ck["resumed"]
+    assert resumed["losses"] == whole["losses"][4:]  # the same world: bit for bit
+    assert all(torch.equal(resumed["params"][n], p) for n, p in whole["params"].items())
+    other = results(3)[0]["checkpoints"]["other_world"]  # 3 ranks sum the gradients in another order
+    close(other, {"losses": whole["losses"][4:], "params": whole["params"]}, dict(rtol=0, atol=MUON_BF16_ATOL))
+
+
+def test_muons_and_adamws_checkpoints_refuse_each_other_in_one_line():
+    for said in results(2)[0]["checkpoints"]["refused"]:
+        assert "optimizer state is" in said and "\n" not in said, said
