@@ -46,6 +46,10 @@ at-scale: setup  ## the at-scale cost model: published checks, then calibrate on
 accumulation: setup  ## 05-08 reducing at every micro-step or once a step, K = 1-8, 4 ranks; 08 on a slow link (~3 minutes): docs/results.md
 	$(PY) -m scripts.perf.accumulation
 
+.PHONY: muon-gaps
+muon-gaps: setup ## why sharded Muon ends away from one process: ZeroRedundancyOptimizer, FSDP2 and 09 at 2 ranks, bf16 and fp32 Newton-Schulz (~3 minutes): docs/results.md
+	$(PY) -m scripts.learn.muon_gaps
+
 .PHONY: calibrate-link
 calibrate-link: setup  ## the cost model against 01-06 on simulated 1 and 10 Gb/s links (~3 minutes): runs/at_scale/link_calibration.json; exit 1 beyond +-15%
 	$(PY) -m scripts.learn.at_scale --calibrate --link 1:50 10:50

@@ -151,8 +151,10 @@ def stage(shards, index, steps):
         if not kinds:  # never stepped: 01-03's parameter that has had no gradient yet
             states.append((s.optim, master, None))
             continue
-        # AdamW counts steps per tensor (a shard of padding only takes any parameter's count); SGD does not
-        state = {"step": ([steps[n] for n in names if n in steps] or list(steps.values()))[0].clone()} if steps else {}
+        # AdamW counts steps per tensor (a shard of padding only takes any parameter's count); SGD and
+        # Muon do not (09: Muon's parameters beside AdamW's, whose counts are in `steps`)
+        counted = [steps[n] for n in names if n in steps] or ([] if names else list(steps.values()))
+        state = {"step": counted[0].clone()} if counted else {}
         for kind in kinds:  # exp_avg, exp_avg_sq, momentum_buffer: created here as torch creates them, lazily
             state[kind] = _fill(master, start, s.params, index, lambda n: kind)
         states.append((s.optim, master, state))

@@ -111,6 +111,15 @@ def activation_runs():
     return _sweep(ACT_WORLD, [*FLAGS, "--lessons", *runs, "--track-peak", *runs])[ACT_WORLD]
 
 
+MUON_WORLD = 4  # memory.ipynb's Figure 4: 04 and 09 side by side
+
+
+def muon_runs(world=MUON_WORLD):
+    """{run: report} for 04 (AdamW over flat shards) and 09 (Muon, whole matrices per owner) at
+    `world` ranks (one launch, cached)."""
+    return _sweep(world, [*FLAGS, "--lessons", "04_zero1", "09_muon"])[world]
+
+
 def _sweep(nproc, argv):
     """scripts/perf/sweep.py on `nproc` ranks, kept in CACHE under a hash of argv and the code."""
     path = os.path.join(CACHE, f"sweep_{_code_hash([nproc, argv])}.json")

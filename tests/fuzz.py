@@ -60,12 +60,13 @@ from lessonkit.loss_scale import LossScaler  # noqa: E402
 from stream_semantics import StreamSemantics, first_difference  # noqa: E402
 from fuzz_models import block_slot, global_batch, make_model, micro_batches, routing_slots  # noqa: E402
 import harness  # noqa: E402
-from lessons import FSDP2_REDUCES_UNUSED, Scaled, adamw, build, evaluate, handles, replicated_optimizer  # noqa: E402
+from lessons import MUON, FSDP2_REDUCES_UNUSED, Scaled, adamw, build, evaluate, handles, replicated_optimizer  # noqa: E402
+from scripts.learn.muon_gaps import fp32_newton_schulz  # noqa: E402
 from tolerances import (FUZZ_BF16_ADAM_EPS, FUZZ_BF16_FLOOR_ULPS, FUZZ_BF16_LOSS_ATOL,  # noqa: E402
                         FUZZ_BF16_PYTORCH_SPREAD, FUZZ_BF16_UPDATE_RTOL, FUZZ_FP16_ADAM_EPS,
                         FUZZ_FP16_LOSS_ATOL, FUZZ_FP16_UPDATE_RTOL, FUZZ_TOL)
 
-LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08")
+LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08", "09")
 # the lessons an fp16 case runs: those that take --precision fp16 (scripts/runs.FP16_LESSONS: all;
 # their counterparts scale with torch.amp.GradScaler, FSDP2's with ShardedGradScaler)
 FP16 = tuple(name[:2] for name in FP16_LESSONS)
@@ -77,6 +78,14 @@ FSDP2 = ("fsdp2", "fsdp2_noreshard")
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, adamw(1e-2)),
               "sgd": (torch.optim.SGD, dict(lr=0.5)),
               "momentum": (torch.optim.SGD, dict(lr=0.5, momentum=0.9))}
+# Muon (PyTorch 2.9 and later) as 09 runs it: on 09's muon_groups' matrices, AdamW (the case's
+# "adamw") on the rest, at AdamW's step size. Only 09 runs it (04 and 05 refuse it; 01-03's and
+# 06-08's optimizers step every parameter with one class). Its Newton-Schulz runs in fp32 in such a
+# case, in every run (muon_gaps.fp32_newton_schulz): torch's bf16 iteration moves the update where
+# a gradient element rounds to another bf16 value than one process's (tests/test_09_muon.py), and
+# the fuzzer's bounds are fp32's.
+if MUON is not None:
+    OPTIMIZERS["muon"] = (MUON, dict(lr=1e-2, adjust_lr_fn="match_rms_adamw"))
 
 
 def optimizer(case):
@@ -104,7 +113,16 @@ def loss_scaler(name, case):
     return torch.amp.GradScaler("cpu", **case["loss_scale"])
 
 
+def adamw_kwargs(case):
+    """AdamW's arguments in the case: beside Muon, its optimizer's otherwise."""
+    return optimizer({**case, "optimizer": "adamw"})[1]
+
+
 def counterpart(lesson, case):
+    if lesson == "09":  # with Muon, none (one process only); with AdamW, whole parameters per owner as 04's
+        if case["optimizer"] == "muon":
+            return None
+        lesson = "04"
     if lesson in ("01", "02", "03") or lesson == "04" and case["precision"] == "fp16":
         return "ddp"  # (04 in fp16: DDP and GradScaler, as tests/test_fp16.py; SKIPS says why)
     if lesson == "04":  # ZeroRedundancyOptimizer steps bf16 (fp16) parameters in 2 bytes (no master weights)
@@ -340,7 +358,10 @@ def runs_of(case, lessons=LESSONS):
     claims more: a unit some ranks skip is gathered and reduce-scattered there all the same).
     fp16: the lessons that take it (FP16) only."""
     lessons = [x for x in lessons if case["precision"] != "fp16" or x in FP16]
-    names = [counterpart(x, case) for x in lessons] + list(lessons)
+    # Muon: 09 alone. Otherwise 09 with AdamW only (what it steps the groups without Muon with)
+    muon = case["optimizer"] == "muon"
+    lessons = [x for x in lessons if (x == "09" if muon else x != "09" or case["optimizer"] == "adamw")]
+    names = [counterpart(x, case) for x in lessons if counterpart(x, case)] + list(lessons)
     return [x for x in dict.fromkeys(names) if (x != "fsdp2" or fsdp2_can_run(case))
             and (x not in FSDP2 or FSDP2_REDUCES_UNUSED or used_alike(case))]
 
@@ -352,8 +373,9 @@ def reference(case):
     fp16: with torch.amp.GradScaler (loss_scaler says why not the lessons' LossScaler)."""
     model = make_model(case["model"], case["seed"], dtype=LOW.get(case["precision"]))  # fp32 masters, as 01-05
     opt_class, opt_kwargs = optimizer(case)
-    groups = optimizers.decay_groups(model, case["weight_decay"])
-    opt = replicated_optimizer(groups, case["clip"], opt_class, opt_kwargs)
+    groups = (harness.load_lesson("09_muon").muon_groups if case["optimizer"] == "muon" else optimizers.decay_groups)(
+        model, case["weight_decay"])
+    opt = replicated_optimizer(groups, case["clip"], opt_class, opt_kwargs, adamw_kwargs(case))
     scaler = Scaled(loss_scaler("reference", case))  # (fp32, bf16: the identity)
     losses, unused = [], []
     for step in range(case["steps"]):
@@ -378,7 +400,7 @@ def maker(case, name):
     sharded_fp32 = name in FSDP2 or name in ("06", "07", "08")  # fp32 shards, computing in 2 bytes by a policy
     opt_class, opt_kwargs = optimizer(case)
     kw = dict(grad_clip=case["clip"], weight_decay=case["weight_decay"], bucket_mb=case["bucket_mb"],
-              find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
+              find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs, adamw_kwargs=adamw_kwargs(case),
               layout=case.get("layout", "even") if case.get("collectives", "torch") == "torch" else "even",
               shard_group=None if case.get("defaults") else case.get("shard_group"), chunk=case.get("chunk", 1),
               prefetch=case.get("prefetch", True), defaults=case.get("defaults", False),
@@ -530,16 +552,17 @@ def run_cases(rank, world, port, cases, lessons, timeout_s, out_dir, skip):
                           timeout=datetime.timedelta(seconds=timeout_s))
     for c, case in enumerate(cases):
         start = time.monotonic()
-        ref = reference(case)
-        results = {"reference": ref}
-        for name in [x for x in runs_of(case, lessons) if x not in skip.get(c, ())]:
-            with open(os.path.join(out_dir, f"rank{rank}.at"), "w") as f:
-                f.write(f"{c} {name}")
-            try:
-                with process_group(store, f"{c}/{name}", timeout_s):
-                    results[name] = train(case, name, ref["unused"], os.path.join(out_dir, f"case{c}_{name}"))
-            except Exception:
-                results[name] = {"error": traceback.format_exc(limit=-6)}
+        with fp32_newton_schulz() if case["optimizer"] == "muon" else contextlib.nullcontext():  # (OPTIMIZERS)
+            ref = reference(case)
+            results = {"reference": ref}
+            for name in [x for x in runs_of(case, lessons) if x not in skip.get(c, ())]:
+                with open(os.path.join(out_dir, f"rank{rank}.at"), "w") as f:
+                    f.write(f"{c} {name}")
+                try:
+                    with process_group(store, f"{c}/{name}", timeout_s):
+                        results[name] = train(case, name, ref["unused"], os.path.join(out_dir, f"case{c}_{name}"))
+                except Exception:
+                    results[name] = {"error": traceback.format_exc(limit=-6)}
         results["seconds"] = time.monotonic() - start
         torch.save(results, os.path.join(out_dir, f"case{c}_rank{rank}.pt"))
 

@@ -128,20 +128,42 @@ def adamw(lr):
     return dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
 
-def replicated_optimizer(params, grad_clip, optimizer_class=None, optimizer_kwargs=None):
+def replicated_optimizer(params, grad_clip, optimizer_class=None, optimizer_kwargs=None, adamw_kwargs=None):
     """What 01-03 and DDP step with: optimizers.MixedPrecisionAdamW (clipping; fp32 master
     weights for bf16 parameters), its AdamW swapped for `optimizer_class` (e.g. SGD) over the
-    same master weights and param groups (their weight decay kept)."""
+    same master weights and param groups (their weight decay kept). torch.optim.Muon: on the
+    groups with use_muon (09's muon_groups), AdamW (adamw_kwargs) on the others (MuonAndAdamW)."""
     if optimizer_class in (None, torch.optim.AdamW):
         return optimizers.MixedPrecisionAdamW(params, grad_clip, **(optimizer_kwargs or adamw(1e-2)))
     opt = optimizers.MixedPrecisionAdamW(params, grad_clip, **adamw(0.0))  # no state yet: replaced
-    opt.optim = optimizer_class([{"params": g["params"], "weight_decay": g["weight_decay"]}
-                                 for g in opt.optim.param_groups], **optimizer_kwargs)
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"], "use_muon": g.get("use_muon", False)}
+              for g in opt.optim.param_groups]
+    opt.optim = (MuonAndAdamW(groups, optimizer_kwargs, adamw_kwargs or adamw(1e-2)) if optimizer_class is MUON else
+                 optimizer_class([{k: v for k, v in g.items() if k != "use_muon"} for g in groups], **optimizer_kwargs))
     return opt
 
 
+MUON = getattr(torch.optim, "Muon", None)  # (PyTorch 2.9 and later)
+
+
+class MuonAndAdamW:
+    """Muon as it is used: torch.optim.Muon over the groups with use_muon, torch.optim.AdamW over
+    the others, stepped together (single-process Muon, 09's reference)."""
+
+    def __init__(self, groups, muon_kwargs, adamw_kwargs):
+        strip = lambda use: [{k: v for k, v in g.items() if k != "use_muon"} for g in groups  # noqa: E731
+                             if g["use_muon"] == use and g["params"]]
+        self.optims = [o(strip(use), **kw) for o, use, kw in ((MUON, True, muon_kwargs), (torch.optim.AdamW, False, adamw_kwargs))
+                       if strip(use)]
+        self.param_groups = [g for o in self.optims for g in o.param_groups]
+
+    def step(self):
+        for o in self.optims:
+            o.step()
+
+
 def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0.0, **kw):
-    """A trainer for `lesson` ("01".."08", or "ddp") around `module`, inside a process group.
+    """A trainer for `lesson` ("01".."09", or "ddp") around `module`, inside a process group.
     08 and fsdp2_hsdp: kw shard_group, G ranks per shard group (default: all).
     weight_decay: AdamW's, in optimizers.decay_groups (matrices and embeddings only), as main().
     reduce_every, all_reduce_every: "step" reduces (all-reduces) once a step (05-08 and FSDP2)."""
@@ -201,6 +223,13 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
         once = kw.get("reduce_every") == "step"  # no_sync() on every micro-step but the last
         return _ShardedOptimizer(module, opt, scaler=scaler,  # its reduce-scatters end inside backward
                                  sync=lambda last: contextlib.nullcontext() if last or not once else opt.no_sync())
+    if lesson == "09":  # Muon (optimizer_class) on muon_groups' matrices and AdamW on the rest; else AdamW on all
+        lesson09, muon = load_lesson("09_muon"), kw.get("optimizer_class") is MUON
+        groups = lesson09.muon_groups(module, wd) if muon else optimizers.decay_groups(module, wd)
+        opt = lesson09.ZeROMuon(groups, grad_clip=grad_clip, find_unused_parameters=kw.get("find_unused", False),
+                                muon_defaults=kw.get("optimizer_kwargs") if muon else None,
+                                **(kw.get("adamw_kwargs") or adamw(lr)) if muon else kw.get("optimizer_kwargs", adamw(lr)))
+        return _ShardedOptimizer(module, opt, scaler=scaler)
     if lesson == "zero_redundancy":
         return _zero_redundancy(module, grad_clip, lr, bucket_mb, kw.get("find_unused", False), wd, **opt_kw)
     if lesson == "fsdp2_noreshard":
@@ -214,8 +243,8 @@ def handles(lesson, trainer):
     if lesson in ("06", "07", "08"):  # of the model and the caller's optimizer: 08's, or 06's and 07's in the kit
         shards = load_lesson("08_hybrid").checkpoint_shards if lesson == "08" else checkpoint.unit_shards
         return trainer.model.module, functools.partial(shards, trainer.model, trainer.opt)
-    if lesson in ("04", "05"):  # the lesson's function, of its optimizer
-        name = {"04": "04_zero1", "05": "05_zero2"}[lesson]
+    if lesson in ("04", "05", "09"):  # the lesson's function, of its optimizer
+        name = {"04": "04_zero1", "05": "05_zero2", "09": "09_muon"}[lesson]
         return trainer.model, functools.partial(load_lesson(name).checkpoint_shards, trainer.opt)
     return trainer.module, functools.partial(optimizers.checkpoint_shards, trainer.opt)  # 01-03: their optimizer's
 

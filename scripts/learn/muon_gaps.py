@@ -1,20 +1,16 @@
 """Why sharded Muon ends away from one process, shown by a run (make muon-gaps).
 
-    make muon-gaps       # about 30 s on 2 CPU cores: docs/results.md's "muon" section
+    make muon-gaps       # about 3 minutes on 2 CPU cores: docs/results.md's "muon" section
 
-torch.optim.Muon runs Newton-Schulz in bf16 (8 significant bits). Any data-parallel run sums its
-ranks' gradients in another order than one process does, so its gradient differs from one
-process's in the last fp32 bits (about 1e-7, relative). Most elements round to the same bf16
-value, a few round the other way, and five Newton-Schulz iterations spread and grow those
-differences into the update. The run shows it in two parts:
-
-1. One gradient, Newton-Schulz on it and on the same gradient changed by one fp32 rounding per
-   element: how far the two results are, in bf16 (torch's) and in fp32.
-2. Two ranks, three steps on a two-matrix model: DDP + ZeroRedundancyOptimizer(torch.optim.Muon),
-   FSDP2 + torch.optim.Muon and 09's ZeROMuon, each against single-process torch.optim.Muon, with
-   torch's bf16 Newton-Schulz and with the same iteration in fp32 (`fp32_newton_schulz`). In fp32
-   every gap falls to fp32 round-off: each strategy does the whole-matrix arithmetic, and the
-   gap in bf16 is Newton-Schulz's rounding, not a wrong matrix.
+torch.optim.Muon runs Newton-Schulz in bf16 (8 significant bits). Two ranks, three steps, two
+models of two matrices: DDP + ZeroRedundancyOptimizer(torch.optim.Muon), FSDP2 +
+torch.optim.Muon and 09's ZeROMuon, each against single-process torch.optim.Muon, with torch's
+bf16 iteration and with the same iteration in fp32 (`fp32_newton_schulz`). For each it counts the
+elements of the first step's Newton-Schulz inputs whose bf16 value differs from one process's:
+a data-parallel gradient is summed in another order, and once in a while an element rounds to
+another bf16 value. Then FSDP2 after one step, matrix by matrix: with the same inputs it differs
+on a matrix taller than wide, which Newton-Schulz transposes. In fp32 every gap falls to fp32
+round-off: each strategy does the whole-matrix arithmetic, and the bf16 gaps are rounding.
 """
 import contextlib
 import os
@@ -30,7 +26,9 @@ from scripts.learn.results import machine, write_section
 from scripts.runs import Parser, load_lesson, tool_main
 
 STEPS, LR, WORLD = 3, 0.02, 2
-WIDTHS = [int(w) for w in os.environ.get("MUON_GAPS_WIDTHS", "32,64,16").split(",")]
+# two models of two matrices: the small one's gradients round to the same bf16 inputs as one
+# process's, the larger one's do not all
+MODELS = [(32, 64, 16), (128, 512, 128)]
 STRATEGIES = ("ZeroRedundancyOptimizer", "FSDP2", "09 ZeROMuon")
 
 
@@ -75,20 +73,20 @@ def recording(inputs):
 
 
 # ----------------------------------------------------------------------------- part 2
-def model():
+def model(widths):
     torch.manual_seed(0)
-    a, b, c = WIDTHS
+    a, b, c = widths
     return nn.Sequential(nn.Linear(a, b, bias=False), nn.Tanh(), nn.Linear(b, c, bias=False))
 
 
-def batch(step):
+def batch(step, widths):
     g = torch.Generator().manual_seed(step)
-    return torch.randn(8, WIDTHS[0], generator=g), torch.randn(8, WIDTHS[-1], generator=g)
+    return torch.randn(8, widths[0], generator=g), torch.randn(8, widths[-1], generator=g)
 
 
-def train(m, opt, forward, rank=0, world=1, steps=STEPS):
+def train(m, opt, forward, widths, rank=0, world=1, steps=STEPS):
     for step in range(steps):
-        x, y = batch(step)
+        x, y = batch(step, widths)
         n = len(x) // world
         ((forward(x[rank * n:(rank + 1) * n]) - y[rank * n:(rank + 1) * n]) ** 2).mean().backward()
         opt.step()
@@ -96,18 +94,18 @@ def train(m, opt, forward, rank=0, world=1, steps=STEPS):
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in m.parameters()]
 
 
-def single(fp32, steps=STEPS):
+def single(fp32, widths, steps=STEPS):
     inputs = {}
     with fp32_newton_schulz() if fp32 else contextlib.nullcontext(), recording(inputs):
-        m = model()
-        return train(m, torch.optim.Muon(m.parameters(), lr=LR), m, steps=steps), inputs
+        m = model(widths)
+        return train(m, torch.optim.Muon(m.parameters(), lr=LR), m, widths, steps=steps), inputs
 
 
-def _rank(rank, strategy, fp32, steps, store_path, out):
+def _rank(rank, strategy, fp32, widths, steps, store_path, out):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     inputs = {}
     with fp32_newton_schulz() if fp32 else contextlib.nullcontext(), recording(inputs):
-        m = model()
+        m = model(widths)
         if strategy == "ZeroRedundancyOptimizer":
             from torch.distributed.optim import ZeroRedundancyOptimizer
             from torch.nn.parallel import DistributedDataParallel
@@ -121,29 +119,29 @@ def _rank(rank, strategy, fp32, steps, store_path, out):
         else:  # 09's optimizer, as a drop-in: its own reduce-scatter, so no DDP
             zero_muon = load_lesson("09_muon").ZeROMuon
             forward, opt = m, zero_muon([{"params": list(m.parameters()), "use_muon": True}], muon_defaults=dict(lr=LR))
-        params = train(m, opt, forward, rank, WORLD, steps)
+        params = train(m, opt, forward, widths, rank, WORLD, steps)
     torch.save({"params": params, "inputs": inputs}, f"{out}.{rank}")  # (owners: the matrices each owns)
     dist.destroy_process_group()
 
 
-def sharded(strategy, fp32, steps=STEPS):
+def sharded(strategy, fp32, widths, steps=STEPS):
     """(rank 0's parameters, every rank's Newton-Schulz inputs)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run")
-        mp.start_processes(_rank, args=(strategy, fp32, steps, os.path.join(tmp, "store"), out), nprocs=WORLD,
+        mp.start_processes(_rank, args=(strategy, fp32, widths, steps, os.path.join(tmp, "store"), out), nprocs=WORLD,
                            start_method="spawn")
         ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     return ranks[0]["params"], {k: v for r in ranks for k, v in r["inputs"].items()}
 
 
-def gaps():
+def gaps(widths):
     """{(strategy, "bf16" | "fp32"): (the largest |parameter - one process's| at the end, how many
     elements of the first step's Newton-Schulz inputs, in bf16, differ from one process's, of how many)}."""
     out = {}
     for fp32 in (False, True):
-        ref, ref_inputs = single(fp32)
+        ref, ref_inputs = single(fp32, widths)
         for strategy in STRATEGIES:
-            got, inputs = sharded(strategy, fp32)
+            got, inputs = sharded(strategy, fp32, widths)
             assert inputs.keys() == ref_inputs.keys(), (strategy, sorted(inputs), sorted(ref_inputs))
             first = [k for k in inputs if k[1] == 0]  # the first step's, before any parameter differs
             flips = sum((inputs[k] != ref_inputs[k]).sum().item() for k in first)
@@ -158,18 +156,22 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not hasattr(torch.optim, "Muon"):
         p.error(f"torch.optim.Muon is in PyTorch 2.9 and later; this is torch {torch.__version__}")
-    gap = gaps()
+    rows = ["| model | strategy | max abs parameter difference, bf16 Newton-Schulz (torch's) | step 1's bf16 inputs "
+            "that differ | max abs difference, fp32 Newton-Schulz |", "|---|---|---|---|---|"]
+    for widths in MODELS:
+        gap = gaps(widths)
+        rows += [f"| {'-'.join(map(str, widths))} | {s} | {gap[(s, 'bf16')][0]:.1e} | {gap[(s, 'bf16')][1]} of "
+                 f"{gap[(s, 'bf16')][2]} | {gap[(s, 'fp32')][0]:.1e} |" for s in STRATEGIES]
     # FSDP2 after one step, matrix by matrix: its Newton-Schulz works on a tall matrix's transpose
-    one = [(tuple(a.shape), (a - b).abs().max().item()) for a, b in zip(sharded("FSDP2", False, 1)[0], single(False, 1)[0])]
-    rows = ["| strategy | max abs parameter difference, bf16 Newton-Schulz (torch's) | step 1's bf16 inputs that differ "
-            "| max abs difference, fp32 Newton-Schulz |", "|---|---|---|---|"]
-    rows += [f"| {s} | {gap[(s, 'bf16')][0]:.1e} | {gap[(s, 'bf16')][1]} of {gap[(s, 'bf16')][2]} | {gap[(s, 'fp32')][0]:.1e} |"
-             for s in STRATEGIES]
+    one = [(tuple(a.shape), (a - b).abs().max().item())
+           for a, b in zip(sharded("FSDP2", False, MODELS[0], 1)[0], single(False, MODELS[0], 1)[0])]
     body = "\n".join([
         "## Muon: sharded against one process", "",
         f"Machine: {machine()}. `make muon-gaps` (scripts/learn/muon_gaps.py): {WORLD} ranks, gloo, {STEPS} steps of "
-        f"torch.optim.Muon (lr {LR}) on a {WIDTHS} model of two matrices, each against one process.", "", *rows, "",
-        "FSDP2 after one step, max abs difference per matrix (rows x columns, sharded by rows): " + ", ".join(
+        f"torch.optim.Muon (lr {LR}) on two models of two matrices (widths in, hidden, out), each against one process.",
+        "", *rows, "",
+        f"FSDP2 on the {'-'.join(map(str, MODELS[0]))} model after one step, max abs difference per matrix (rows x "
+        "columns, sharded by rows): " + ", ".join(
             f"{m} x {n} {'(taller than wide: transposed inside Newton-Schulz)' if m > n else '(wide)'} {d:.1e}"
             for (m, n), d in one) + "."])
     print(body)
