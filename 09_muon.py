@@ -194,6 +194,13 @@ class ZeROMuon(torch.optim.Optimizer):
             self.flat_grad.zero_()
         self.grad_accumulation.reset()
 
+    def state_dict(self):
+        return [optim.state_dict() for optim in self.optims]  # my parameters' state: Muon's, AdamW's
+
+    def load_state_dict(self, state_dict):
+        for optim, state in zip(self.optims, state_dict, strict=True):
+            optim.load_state_dict(state)
+
     def theory(self, precision, report, gathered):
         """Into rank 0's report (measure.Run's): per rank, the bytes held, the elements owned and
         Newton-Schulz's FLOPs by formula beside what was measured; the ring bytes sent per step."""

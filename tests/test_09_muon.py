@@ -120,8 +120,54 @@ def checkpoints(world, root):
     return out
 
 
+def drop_in():
+    """The loop a user writes for DDP + ZeroRedundancyOptimizer(params, torch.optim.Muon), run as it
+    is and with 09's ZeROMuon built in its place (no DDP: 09 reduces itself), on a model of two
+    matrices, 2 micro-steps: the parameters after every step, and after a state_dict round trip."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    from test_drop_in import NoSync, user_loop
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(24, 40, bias=False), torch.nn.Tanh(), torch.nn.Linear(40, 8, bias=False))
+
+    class Loss(torch.nn.Module):  # user_loop's model(x, y) -> loss
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, y):
+            return ((self.net(x) - y) ** 2).mean()
+    g = torch.Generator().manual_seed(0)
+    data = [[(torch.randn(4 * world, 24, generator=g), torch.randn(4 * world, 8, generator=g)) for _ in range(2)]
+            for _ in range(4)]
+    batches = [[(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]) for x, y in step] for step in data]
+    out = {}
+    with fp32_newton_schulz():  # (the module docstring: fp32's round-off, not bf16's)
+        m = DistributedDataParallel(Loss(model()))
+        out["torch"] = user_loop(m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Muon, lr=0.02), batches)
+        zero_muon = load_lesson(LESSON).ZeROMuon
+        make = lambda params: zero_muon([{"params": list(params), "use_muon": True}], muon_defaults=dict(lr=0.02))  # noqa: E731
+        m = NoSync(Loss(model()))
+        out["09"] = user_loop(m, make(m.parameters()), batches)
+
+        def round_trip(m, opt):
+            fresh = NoSync(Loss(model()))
+            fresh.module.load_state_dict(m.module.state_dict())
+            new = make(fresh.parameters())
+            new.load_state_dict(opt.state_dict())
+            return fresh, new
+        m = NoSync(Loss(model()))
+        out["09_round_trip"] = user_loop(m, make(m.parameters()), batches, round_trip=round_trip)
+    return out
+
+
 def suite(world, root):
     out = {"refusals": refusals()} if world == 1 else {}
+    if world == 2:
+        out["drop_in"] = drop_in()
     if world in (2, 3):
         out["checkpoints"] = checkpoints(world, root)
     for key, argv in argvs(world).items():
@@ -175,7 +221,7 @@ def bf16_close(world, fp32_iteration):
 # ----------------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_rank_holds_the_same_weights(world):
-    for key, out in ((k, v) for k, v in results(world)[0].items() if k not in ("refusals", "checkpoints")):
+    for key, out in ((k, v) for k, v in results(world)[0].items() if k not in ("refusals", "checkpoints", "drop_in")):
         for other in results(world)[1:]:
             assert all(torch.equal(other[key]["params"][n], p) for n, p in out["params"].items()), key
 
@@ -260,3 +306,12 @@ def test_a_resumed_run_is_the_uninterrupted_run_at_any_world_size():
 def test_muons_and_adamws_checkpoints_refuse_each_other_in_one_line():
     for said in results(2)[0]["checkpoints"]["refused"]:
         assert "optimizer state is" in said and "\n" not in said, said
+
+
+def test_a_loop_written_for_zero_redundancy_optimizer_with_muon_runs_09():
+    out = results(2)[0]["drop_in"]
+    for got, want in zip(out["09"], out["torch"], strict=True):  # after every step
+        for name, p in want.items():
+            torch.testing.assert_close(got[name], p, **TOL, msg=name)
+    for got, want in zip(out["09_round_trip"], out["09"], strict=True):  # state_dict() holds all it needs
+        assert all(torch.equal(got[name], p) for name, p in want.items())
