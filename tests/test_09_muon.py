@@ -315,3 +315,13 @@ def test_a_loop_written_for_zero_redundancy_optimizer_with_muon_runs_09():
             torch.testing.assert_close(got[name], p, **TOL, msg=name)
     for got, want in zip(out["09_round_trip"], out["09"], strict=True):  # state_dict() holds all it needs
         assert all(torch.equal(got[name], p) for name, p in want.items())
+
+
+@pytest.mark.slow
+def test_make_muon_gaps_shows_why_pytorchs_sharded_muon_ends_away_from_one_process():
+    from scripts.learn import muon_gaps
+    gap = muon_gaps.gaps(muon_gaps.MODELS[0])  # {(strategy, iteration): (max |difference|, inputs differing, of)}
+    for s in ("ZeroRedundancyOptimizer", "09 ZeROMuon"):  # whole matrices, the same bf16 inputs: one process's bits
+        assert gap[(s, "bf16")][:2] == (0.0, 0), s
+    assert gap[("FSDP2", "bf16")][1] == 0 and gap[("FSDP2", "bf16")][0] > 1e-4  # the same inputs, its own products
+    assert all(gap[(s, "fp32")][0] < 1e-6 for s in muon_gaps.STRATEGIES)  # in fp32: fp32 round-off for all
