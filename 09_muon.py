@@ -60,6 +60,10 @@ def owners(params, muon, world):
     with the least work so far (a greedy balance, within the largest matrix of even); then the
     rest, largest first, each to the rank with the fewest elements, to keep the padding small.
     Every rank computes the same answer from the same shapes: no communication."""
+    # ### BEGIN SOLUTION: owners, balanced by Newton-Schulz work
+    # GOAL: owner[p] is a rank for every p in params, computed alike on every rank: the matrices
+    #       (in `muon`) costliest first, each to the rank with the least Newton-Schulz work so far
+    #       (ties: fewest elements); then the others, largest first, to the rank with fewest elements.
     work, size, owner = [0] * world, [0] * world, {}
     matrices = sorted((p for p in params if p in muon), key=lambda p: -newton_schulz_flops(p.shape))
     for p in matrices + sorted((p for p in params if p not in muon), key=lambda p: -p.numel()):
@@ -67,6 +71,7 @@ def owners(params, muon, world):
         owner[p] = r
         work[r] += newton_schulz_flops(p.shape) if p in muon else 0
         size[r] += p.numel()
+    # ### END SOLUTION
     return owner
 
 
@@ -108,6 +113,10 @@ class ZeROMuon(torch.optim.Optimizer):
         self.flat_grad = torch.zeros_like(self.flat_param)
         self.offset = {}
         with torch.no_grad():
+            # ### BEGIN SOLUTION: the flat buffers, owner by owner
+            # GOAL: rank r's parameters (mine[r], in order) sit back to back from element r * self.chunk
+            #       on: self.offset[p] is p's first element, p's values are copied there, and p.data
+            #       and p.grad are views of self.flat_param and self.flat_grad there.
             for r, ps in enumerate(mine):
                 at = r * self.chunk
                 for p in ps:
@@ -117,6 +126,7 @@ class ZeROMuon(torch.optim.Optimizer):
                     p.data = view  # the model computes with the flat buffer, as in 04
                     p.grad = self.flat_grad[at:at + p.numel()].view_as(p)
                     at += p.numel()
+            # ### END SOLUTION
             self.grad_views = [p.grad for p in self.params]
             dist.broadcast(self.flat_param, src=0)  # rank 0's weights are the truth
             for p in frozen:

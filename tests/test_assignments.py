@@ -19,8 +19,8 @@ import scripts.course.student_edition as se
 from scripts.course.grade import graded_files
 from scripts.runs import LESSONS
 
-# The graded lessons: the tools' (scripts/runs.py), 01-08
-GRADED_LESSONS = list(LESSONS)
+# The graded lessons: the tools' (scripts/runs.py), 01-08, and 09
+GRADED_LESSONS = list(LESSONS) + ["09_muon"]
 GRADED = GRADED_LESSONS + ["bucket"]
 # The region a run of each lesson reaches first in the edition (05 builds on 03's bucket.py).
 FIRST = {"01_vanilla_dp": ("01_vanilla_dp.py", "average the gradients"),
@@ -30,7 +30,8 @@ FIRST = {"01_vanilla_dp": ("01_vanilla_dp.py", "average the gradients"),
          "05_zero2": ("bucket.py", "launch the full buckets, in order"),
          "06_zero3": ("06_zero3.py", "gather a unit"),
          "07_offload": ("07_offload.py", "upload every unit's shard"),  # before 06's gather
-         "08_hybrid": ("08_hybrid.py", "the grid's groups")}  # before anything of 06's
+         "08_hybrid": ("08_hybrid.py", "the grid's groups"),  # before anything of 06's
+         "09_muon": ("09_muon.py", "owners, balanced by Newton-Schulz work")}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def edition(tmp_path_factory):
 # ----------------------------------------------------------------------------- fences
 def test_every_graded_file_has_balanced_fences_with_a_goal_and_a_recipe():
     recipes, titles = se.course_file(se.RECIPES), set()
-    fenced = graded_files()  # the lessons 00-08 and bucket.py
+    fenced = graded_files()  # the lessons 00-09 and bucket.py
     assert fenced == sorted(["00_collectives.py", *(f"{name}.py" for name in GRADED)])
     for name in fenced:
         with open(os.path.join(ROOT, name), encoding="utf-8") as f:
