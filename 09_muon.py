@@ -117,9 +117,9 @@ class ZeROMuon(torch.optim.Optimizer):
             # GOAL: rank r's parameters (mine[r], in order) sit back to back from element r * self.chunk
             #       on: self.offset[p] is p's first element, p's values are copied there, and p.data
             #       and p.grad are views of self.flat_param and self.flat_grad there.
-            for r, ps in enumerate(mine):
+            for r, owned in enumerate(mine):
                 at = r * self.chunk
-                for p in ps:
+                for p in owned:
                     self.offset[p] = at
                     view = self.flat_param[at:at + p.numel()].view_as(p)
                     view.copy_(p)
@@ -132,7 +132,7 @@ class ZeROMuon(torch.optim.Optimizer):
             for p in frozen:
                 dist.broadcast(p.data, src=0)
         start = self.rank * self.chunk
-        self.param_shard = self.flat_param[start:start + self.chunk]  # my chunk: whole matrices
+        self.param_chunk = self.flat_param[start:start + self.chunk]  # my chunk: whole matrices
 
         # My parameters' fp32 masters, each a whole tensor of its own shape (in fp32 a second view of
         # the parameter's memory: the optimizers' .grad on it must not replace p.grad, the buffer's view).
@@ -168,13 +168,13 @@ class ZeROMuon(torch.optim.Optimizer):
         # 1) reduce-scatter, averaged: chunk r is rank r's parameters, so I receive the global
         # batch's gradient of exactly the matrices I own, whole.
         self.flat_grad.div_(self.world_size)
-        grad_shard = torch.empty_like(self.param_shard)  # (chunk,)
-        dist.reduce_scatter_tensor(grad_shard, self.flat_grad)
+        grad_chunk = torch.empty_like(self.param_chunk)  # (chunk,)
+        dist.reduce_scatter_tensor(grad_chunk, self.flat_grad)
 
         # 2) Muon and AdamW on what I own, in fp32, clipped by the global norm (one scalar all-reduce).
         unused = self.used.unused() if self.used else ()
         start = self.rank * self.chunk
-        grad32 = grad_shard.float()
+        grad32 = grad_chunk.float()
         for p, master in self.masters.items():
             at = self.offset[p] - start
             master.grad = None if p in unused else grad32[at:at + p.numel()].view_as(p)
@@ -193,7 +193,7 @@ class ZeROMuon(torch.optim.Optimizer):
             master.grad = None
 
         # 3) all-gather the chunks: every rank gets every owner's updated matrices.
-        dist.all_gather_into_tensor(self.flat_param, self.param_shard)
+        dist.all_gather_into_tensor(self.flat_param, self.param_chunk)
 
     def zero_grad(self, set_to_none=True):
         """As 04's: in place, every p.grad stays a view of the flat buffer."""

@@ -156,8 +156,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not hasattr(torch.optim, "Muon"):
         p.error(f"torch.optim.Muon is in PyTorch 2.9 and later; this is torch {torch.__version__}")
-    rows = ["| model | strategy | max abs parameter difference, bf16 Newton-Schulz (torch's) | step 1's bf16 inputs "
-            "that differ | max abs difference, fp32 Newton-Schulz |", "|---|---|---|---|---|"]
+    rows = ["| model | strategy | max abs diff, bf16 Newton-Schulz (torch's) | step 1's bf16 inputs differing "
+            "| max abs diff, fp32 Newton-Schulz |", "|---|---|---|---|---|"]
     for widths in MODELS:
         gap = gaps(widths)
         rows += [f"| {'-'.join(map(str, widths))} | {s} | {gap[(s, 'bf16')][0]:.1e} | {gap[(s, 'bf16')][1]} of "
@@ -167,12 +167,11 @@ def main(argv=None):
            for a, b in zip(sharded("FSDP2", False, MODELS[0], 1)[0], single(False, MODELS[0], 1)[0])]
     body = "\n".join([
         "## Muon: sharded against one process", "",
-        f"Machine: {machine()}. `make muon-gaps` (scripts/learn/muon_gaps.py): {WORLD} ranks, gloo, {STEPS} steps of "
-        f"torch.optim.Muon (lr {LR}) on two models of two matrices (widths in, hidden, out), each against one process.",
+        f"Machine: {machine()}. `make muon-gaps`: {WORLD} ranks, gloo, {STEPS} steps of torch.optim.Muon (lr {LR}) "
+        "on two-matrix models (widths in-hidden-out), each against one process.",
         "", *rows, "",
-        f"FSDP2 on the {'-'.join(map(str, MODELS[0]))} model after one step, max abs difference per matrix (rows x "
-        "columns, sharded by rows): " + ", ".join(
-            f"{m} x {n} {'(taller than wide: transposed inside Newton-Schulz)' if m > n else '(wide)'} {d:.1e}"
+        f"FSDP2, {'-'.join(map(str, MODELS[0]))}, after one step, max abs diff per matrix (rows x columns): " + ", ".join(
+            f"{m} x {n} {'(tall: transposed in Newton-Schulz)' if m > n else '(wide)'} {d:.1e}"
             for (m, n), d in one) + "."])
     print(body)
     if not a.no_write:
