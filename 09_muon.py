@@ -211,27 +211,33 @@ class ZeROMuon(torch.optim.Optimizer):
         for optim, state in zip(self.optims, state_dict, strict=True):
             optim.load_state_dict(state)
 
-    def theory(self, precision, report, gathered):
+    def theory(self, args, report, gathered):
         """Into rank 0's report (measure.Run's): per rank, the bytes held, the elements owned and
         Newton-Schulz's FLOPs by formula beside what was measured; the ring bytes sent per step."""
-        b, n, padded = (4 if precision == "fp32" else 2), self.world_size, self.world_size * self.chunk
+        precision, n, padded = args.precision, self.world_size, self.world_size * self.chunk
+        b, fp32_sum = (4, 0) if precision == "fp32" else (2, 4 * (args.grad_accum > 1))  # micro-steps' fp32 sum
+        psi = sum(p.numel() for p in self.params)
         owners = []
         for r, measured in enumerate(gathered):
             ps = [p for p in self.params if self.owner[p] == r]
             adam = [p for p in ps if p not in self.muon_params]
             n_all, n_adam = sum(p.numel() for p in ps), sum(p.numel() for p in adam)
-            owners.append({"params": b * padded, "grads": b * padded,  # both flat buffers, whole
+            owners.append({"params": b * padded, "grads": b * padded + fp32_sum * psi,  # both flat buffers, whole
                            # Muon's momentum (4 bytes), AdamW's two moments (8) and step count (4 per
                            # tensor), fp32 masters outside fp32 (4)
                            "optimizer": 4 * (n_all - n_adam) + 8 * n_adam + 4 * len(adam) + 4 * n_all * (precision != "fp32"),
                            "owned": n_all, "flops": sum(newton_schulz_flops(p.shape) for p in ps if p in self.muon_params),
                            "measured_optimizer": measured["memory"]["optimizer"], "measured_flops": measured["optimizer_flops"]})
-        report["memory"]["theory"].update({k: owners[0][k] for k in ("params", "grads", "optimizer")})
+        mine = owners[0]
+        report["memory"]["theory"].update({k: mine[k] for k in ("params", "grads", "optimizer")}, peak_grads=mine["grads"],
+                                          held_grads=mine["grads"] if args.grad_accum > 1 else None,
+                                          master_weights=4 * mine["owned"] * (precision != "fp32"),
+                                          total=mine["params"] + mine["grads"] + mine["optimizer"])
         # a reduce-scatter and an all-gather of the padded buffer (04's 2 Psi (N-1)/N, padding included),
         # clipping's squared norm and find_unused_parameters' flags all-reduced (an all-reduce: 2 (N-1)/N)
         small = 4 * ((self.grad_clip > 0) + (len(self.params) if self.used else 0))
         report["comm"]["theory_ring_bytes_per_step"] = (2 * padded * b + 2 * small) * (n - 1) / n
-        report["owners"], report["padding"] = owners, padded - sum(p.numel() for p in self.params)
+        report["owners"], report["padding"] = owners, padded - psi
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -259,7 +265,7 @@ def main(argv=None):
                          muon_defaults=dict(lr=args.lr, adjust_lr_fn="match_rms_adamw"), **optimizers.adamw_kwargs(args))
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
     run = measure.Run(args, env, "muon", model, optimizer, loss_scaler=scaler,
-                      theory=functools.partial(optimizer.theory, args.precision))
+                      theory=functools.partial(optimizer.theory, args))
     ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
                                    functools.partial(checkpoint_shards, optimizer), loss_scaler=scaler)
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
