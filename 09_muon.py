@@ -79,13 +79,14 @@ def owners(params, muon, world):
 class ZeROMuon(torch.optim.Optimizer):
     """A torch.optim.Optimizer shaped like `ZeroRedundancyOptimizer(params, ...)`, used where a loop
     used that (and DDP: 09 reduces itself). It shards by whole parameters: Muon on the groups with
-    `use_muon`, AdamW on the others, each over the parameters I own.
+    `use_muon`, `optimizer_class` on the others, each over the parameters I own.
 
     params          parameters or param groups (muon_groups); a group's options override the defaults
+    optimizer_class the others' optimizer: AdamW (as Muon is used), or any torch.optim optimizer
     grad_clip       global-norm gradient clipping across all owners; 0 turns it off
     find_unused_parameters  as DDP's (04's docstring)
     muon_defaults   torch.optim.Muon's arguments (lr, momentum, adjust_lr_fn, ...)
-    **adamw_defaults  torch.optim.AdamW's
+    **defaults      optimizer_class's
 
     `param_groups` are the inner optimizers' (an lr scheduler schedules both). Rank 0's parameters
     are broadcast here. Call `step()` once per optimizer step, then `zero_grad()`. Micro-steps'
@@ -93,7 +94,8 @@ class ZeROMuon(torch.optim.Optimizer):
     """
     unscale_in_step = True  # fp16: LossScaler.step calls step(unscale=) (lessonkit/loss_scale.py)
 
-    def __init__(self, params, grad_clip=0.0, find_unused_parameters=False, muon_defaults=None, **adamw_defaults):
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, grad_clip=0.0, find_unused_parameters=False,
+                 muon_defaults=None, **defaults):
         if not hasattr(torch.optim, "Muon"):
             raise RuntimeError(f"09 needs torch.optim.Muon (PyTorch 2.9 or later); this is torch {torch.__version__}")
         groups, frozen = optimizers.param_groups(params)
@@ -142,12 +144,11 @@ class ZeROMuon(torch.optim.Optimizer):
         inner = lambda use_muon: [{**{k: v for k, v in g.items() if k != "use_muon"},  # noqa: E731
                                    "params": [self.masters[p] for p in g["params"] if p in self.masters]}
                                   for g in groups if bool(g.get("use_muon")) == use_muon]
-        muon_groups_, adamw_groups = inner(True), inner(False)
+        muon_groups_, other_groups = inner(True), inner(False)
         self.muon = (torch.optim.Muon(muon_groups_, **(muon_defaults or {}))
                      if any(g["params"] for g in muon_groups_) else None)
-        self.adamw = (torch.optim.AdamW(adamw_groups, **adamw_defaults)
-                      if any(g["params"] for g in adamw_groups) else None)
-        self.optims = [o for o in (self.muon, self.adamw) if o is not None]
+        self.other = optimizer_class(other_groups, **defaults) if any(g["params"] for g in other_groups) else None
+        self.optims = [o for o in (self.muon, self.other) if o is not None]
         super().__init__(list(self.masters.values()) or [torch.zeros(0, requires_grad=True)], {})
         self.param_groups = [g for o in self.optims for g in o.param_groups]  # what a scheduler sets steps
         self.used = optimizers.UsedParameters(self.params, device) if find_unused_parameters else None
@@ -212,8 +213,9 @@ class ZeROMuon(torch.optim.Optimizer):
             optim.load_state_dict(state)
 
     def theory(self, args, report, gathered):
-        """Into rank 0's report (measure.Run's): per rank, the bytes held, the elements owned and
-        Newton-Schulz's FLOPs by formula beside what was measured; the ring bytes sent per step."""
+        """Into rank 0's report (measure.Run's): per rank, the bytes held (with AdamW beside Muon, as
+        main() runs it), the elements owned and Newton-Schulz's FLOPs by formula beside what was
+        measured; the ring bytes sent per step."""
         precision, n, padded = args.precision, self.world_size, self.world_size * self.chunk
         b, fp32_sum = (4, 0) if precision == "fp32" else (2, 4 * (args.grad_accum > 1))  # micro-steps' fp32 sum
         psi = sum(p.numel() for p in self.params)
@@ -260,7 +262,7 @@ def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
     model = common.build_model(args, env)
-    optimizer = ZeROMuon(muon_groups(model, args.weight_decay), grad_clip=args.grad_clip,
+    optimizer = ZeROMuon(muon_groups(model, args.weight_decay), torch.optim.AdamW, grad_clip=args.grad_clip,
                          # match_rms_adamw: Muon's step scaled to AdamW's size, so both take --lr
                          muon_defaults=dict(lr=args.lr, adjust_lr_fn="match_rms_adamw"), **optimizers.adamw_kwargs(args))
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)

@@ -80,7 +80,8 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, adamw(1e-2)),
               "momentum": (torch.optim.SGD, dict(lr=0.5, momentum=0.9))}
 # Muon (PyTorch 2.9 and later) as 09 runs it: on 09's muon_groups' matrices, AdamW (the case's
 # "adamw") on the rest, at AdamW's step size. Only 09 runs it (04 and 05 refuse it; 01-03's and
-# 06-08's optimizers step every parameter with one class). Its Newton-Schulz runs in fp32 in such a
+# 06-08's optimizers step every parameter with one class); in the other cases 09 runs the case's
+# optimizer on every parameter, its ZeRO-1 by whole parameters. Its Newton-Schulz runs in fp32 in such a
 # case, in every run (muon_gaps.fp32_newton_schulz): torch's bf16 iteration moves the update where
 # a gradient element rounds to another bf16 value than one process's (tests/test_09_muon.py), and
 # the fuzzer's bounds are fp32's.
@@ -119,7 +120,7 @@ def adamw_kwargs(case):
 
 
 def counterpart(lesson, case):
-    if lesson == "09":  # with Muon, none (one process only); with AdamW, whole parameters per owner as 04's
+    if lesson == "09":  # with Muon, none (one process only); otherwise 04's (a ZeRO-1, by whole parameters)
         if case["optimizer"] == "muon":
             return None
         lesson = "04"
@@ -358,9 +359,8 @@ def runs_of(case, lessons=LESSONS):
     claims more: a unit some ranks skip is gathered and reduce-scattered there all the same).
     fp16: the lessons that take it (FP16) only."""
     lessons = [x for x in lessons if case["precision"] != "fp16" or x in FP16]
-    # Muon: 09 alone. Otherwise 09 with AdamW only (what it steps the groups without Muon with)
-    muon = case["optimizer"] == "muon"
-    lessons = [x for x in lessons if (x == "09" if muon else x != "09" or case["optimizer"] == "adamw")]
+    # Muon: 09 alone (with AdamW beside it); otherwise 09 too, the case's optimizer on all (SGD sees a wrong scale)
+    lessons = [x for x in lessons if x == "09" or case["optimizer"] != "muon"]
     names = [counterpart(x, case) for x in lessons if counterpart(x, case)] + list(lessons)
     return [x for x in dict.fromkeys(names) if (x != "fsdp2" or fsdp2_can_run(case))
             and (x not in FSDP2 or FSDP2_REDUCES_UNUSED or used_alike(case))]

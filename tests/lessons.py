@@ -223,10 +223,12 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
         once = kw.get("reduce_every") == "step"  # no_sync() on every micro-step but the last
         return _ShardedOptimizer(module, opt, scaler=scaler,  # its reduce-scatters end inside backward
                                  sync=lambda last: contextlib.nullcontext() if last or not once else opt.no_sync())
-    if lesson == "09":  # Muon (optimizer_class) on muon_groups' matrices and AdamW on the rest; else AdamW on all
-        lesson09, muon = load_lesson("09_muon"), kw.get("optimizer_class") is MUON
+    if lesson == "09":  # Muon (optimizer_class) on muon_groups' matrices and AdamW on the rest; else the class on all
+        lesson09, opt_class = load_lesson("09_muon"), kw.get("optimizer_class", torch.optim.AdamW)
+        muon = opt_class is MUON
         groups = lesson09.muon_groups(module, wd) if muon else optimizers.decay_groups(module, wd)
-        opt = lesson09.ZeROMuon(groups, grad_clip=grad_clip, find_unused_parameters=kw.get("find_unused", False),
+        opt = lesson09.ZeROMuon(groups, torch.optim.AdamW if muon else opt_class, grad_clip=grad_clip,
+                                find_unused_parameters=kw.get("find_unused", False),
                                 muon_defaults=kw.get("optimizer_kwargs") if muon else None,
                                 **(kw.get("adamw_kwargs") or adamw(lr)) if muon else kw.get("optimizer_kwargs", adamw(lr)))
         return _ShardedOptimizer(module, opt, scaler=scaler)
