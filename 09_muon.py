@@ -22,6 +22,7 @@ PyTorch: `ZeroRedundancyOptimizer(params, torch.optim.Muon)` also owns whole par
 by size) but leaves the gradients to DDP's all-reduce; FSDP2 + `torch.optim.Muon` gathers each
 row-sharded matrix inside Newton-Schulz (docs/muon.md: how each compares with one process).
 """
+import contextlib
 import functools
 
 import torch
@@ -155,7 +156,7 @@ class ZeROMuon(torch.optim.Optimizer):
         for p in self.params if self.used else ():
             p.register_post_accumulate_grad_hook(self.used.mark)
         self.grad_accumulation = ddp.FP32Accumulation(self.params)
-        self.flops = None  # my optimizer step's FLOPs, counted (FlopCounterMode): Newton-Schulz's matmuls
+        self.flops = None  # my optimizer step's FLOPs, counted by FlopCounterMode: Newton-Schulz's matmuls
 
     @torch.no_grad()
     def step(self, closure=None, unscale=None):
@@ -183,10 +184,11 @@ class ZeROMuon(torch.optim.Optimizer):
             if self.grad_clip > 0:
                 optimizers.clip_grad_norm_([m.grad for m in self.masters.values() if m.grad is not None],
                                            self.grad_clip, self.flat_param.device)
-            with FlopCounterMode(display=False) as counter:
+            # my Newton-Schulz work is the same every step (the shapes I own): counted in the first only
+            with FlopCounterMode(display=False) if self.flops is None else contextlib.nullcontext() as counter:
                 for optim in self.optims:
                     optim.step()
-            self.flops = counter.get_total_flops()
+            self.flops = self.flops if counter is None else counter.get_total_flops()
             for p, master in self.masters.items():
                 if master.dtype != p.dtype:
                     p.copy_(master)  # bf16: rounded into my chunk of the flat buffer

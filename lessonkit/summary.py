@@ -90,8 +90,8 @@ def print_summary(r):
                   f"{each.index(max(each))} copies {max(each) / (sum(each) / len(each)):.2f}x the even share, and "
                   "steps as much more on its host)", flush=True)
     if r.get("owners"):  # 09: whole parameters per owner; its share of the work and of the state
-        print("  owners (09), per rank: elements owned | optimizer MiB measured (formula) | Newton-Schulz GFLOP counted "
-              "(formula): " + " | ".join(f"rank {i} {o['owned']:,} {o['measured_optimizer'] / mib:.2f} ({o['optimizer'] / mib:.2f}) "
+        print("  owners (09), per rank: elements owned | optimizer MiB measured (formula) | Newton-Schulz GFLOP "
+              "counted in the first step (formula): " + " | ".join(f"rank {i} {o['owned']:,} {o['measured_optimizer'] / mib:.2f} ({o['optimizer'] / mib:.2f}) "
                                          f"{(o['measured_flops'] or 0) / 1e9:.3f} ({o['flops'] / 1e9:.3f})"
                                          for i, o in enumerate(r["owners"])), flush=True)
         flops = [o["flops"] for o in r["owners"]]
