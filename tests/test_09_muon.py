@@ -17,6 +17,7 @@ AdamW's bf16 ends 4.7% from its fp32. 09 in bf16 must end no farther than MUON_B
 that from one process in bf16 (measured 0.8-0.9 times); a lost micro-step or an owner stepping
 another matrix's gradient ends 50% and more away.
 """
+import contextlib
 import functools
 import os
 import tempfile
@@ -61,7 +62,7 @@ def muon_reference(argv, fp32_iteration=False):
     optims = [torch.optim.Muon(of(True), lr=args.lr, adjust_lr_fn="match_rms_adamw"),
               torch.optim.AdamW(of(False), **optimizers.adamw_kwargs(args))]
     losses = []
-    with fp32_newton_schulz() if fp32_iteration else _nothing():
+    with fp32_newton_schulz() if fp32_iteration else contextlib.nullcontext():
         for step in range(args.steps):
             tokens = global_batch(args.seed, step, args.global_batch, args.seq_len, args.vocab_size)
             loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -81,14 +82,6 @@ def muon_reference(argv, fp32_iteration=False):
                     p.grad = m.grad = None
             losses.append(loss.item())
     return {"losses": losses, "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def refusals():
@@ -195,13 +188,9 @@ def ref(world, key, fp32_iteration=False):
     return _ref(tuple(argvs(world)[key]), fp32_iteration)
 
 
-_cache = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _ref(argv, fp32_iteration):
-    if (argv, fp32_iteration) not in _cache:
-        _cache[(argv, fp32_iteration)] = muon_reference(list(argv), fp32_iteration)
-    return _cache[(argv, fp32_iteration)]
+    return muon_reference(list(argv), fp32_iteration)
 
 
 def distance(a, b, argv):
