@@ -2,8 +2,8 @@
 
 Muon (`torch.optim.Muon`) replaces each weight matrix's momentum by a nearby orthogonal matrix,
 a few Newton-Schulz iterations X <- aX + (bA + cA^2) X with A = X X^T, before it steps. A = X X^T
-needs every row of the matrix. 04-06 cut one flat buffer into N equal shards wherever it falls, so
-a shard holds pieces of matrices, and Muon cannot run on a piece (04-06 refuse it for that reason).
+needs every row of the matrix. 04-06 cut flat buffers into N equal shards wherever they fall, so a
+shard holds pieces of matrices, and Muon cannot run on a piece (04 and 05 refuse it, torch 06's).
 
 09 keeps 04's step and changes the layout. Every trainable parameter is owned whole by one rank,
 and the flat buffer is laid out owner by owner, each owner's chunk padded to the largest. The
@@ -12,27 +12,29 @@ them, and the all-gather brings everyone the new weights. Ownership balances New
 which grows as m n min(m, n) per m x n matrix, not bytes. Bytes are 04's plus the padding. Muon
 runs on the hidden layers' matrices and AdamW on embeddings (the tied head), norms and biases, as
 Muon is used. Muon's "match_rms_adamw" scaling lets it share AdamW's --lr and --weight-decay.
+ZeRO-3 with Muon (--zero3 1): 06's units, each laid out owner by owner, so my shards are whole.
 
     python 09_muon.py                                        # one process (world size 1)
     torchrun --nproc_per_node=2 09_muon.py                   # 2 ranks on CPU (gloo)
-    torchrun --nproc_per_node=4 09_muon.py --precision bf16  # 4 ranks, bf16
     torchrun --nproc_per_node=4 09_muon.py --device cuda     # 4 GPUs (nccl)
+    torchrun --nproc_per_node=3 09_muon.py --zero3 1         # the parameters sharded too
 
-PyTorch: `ZeroRedundancyOptimizer(params, torch.optim.Muon)` also owns whole parameters (balanced
-by size) but leaves the gradients to DDP's all-reduce; FSDP2 + `torch.optim.Muon` gathers each
-row-sharded matrix inside Newton-Schulz (docs/muon.md: how each compares with one process).
+PyTorch: `ZeroRedundancyOptimizer(params, torch.optim.Muon)` owns whole parameters too (by size);
+FSDP2 + `torch.optim.Muon` gathers row-sharded matrices inside Newton-Schulz (docs/muon.md).
 """
-import contextlib
 import functools
+import importlib
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from lessonkit import checkpoint, common, ddp, lifecycle, loss_scale, measure, optimizers
 from lessonkit.reshard import FlatShard
+from lessonkit.theory import STATE_BYTES, owners_theory
 from model import get_batch
+
+zero3 = importlib.import_module("06_zero3")  # --zero3 1: 06's units, gathered and freed as there
 
 
 # ----------------------------------------------------------------------------- who owns what
@@ -77,22 +79,12 @@ def owners(params, muon, world):
 
 
 # ----------------------------------------------------------------------------- the strategy
-class ZeROMuon(torch.optim.Optimizer):
-    """A torch.optim.Optimizer shaped like `ZeroRedundancyOptimizer(params, ...)`, used where a loop
-    used that (and DDP: 09 reduces itself). It shards by whole parameters: Muon on the groups with
-    `use_muon`, `optimizer_class` on the others, each over the parameters I own.
-
-    params          parameters or param groups (muon_groups); a group's options override the defaults
-    optimizer_class the others' optimizer: AdamW (as Muon is used), or any torch.optim optimizer
-    grad_clip       global-norm gradient clipping across all owners; 0 turns it off
-    find_unused_parameters  as DDP's (04's docstring)
-    muon_defaults   torch.optim.Muon's arguments (lr, momentum, adjust_lr_fn, ...)
-    **defaults      optimizer_class's
-
-    `param_groups` are the inner optimizers' (an lr scheduler schedules both). Rank 0's parameters
-    are broadcast here. Call `step()` once per optimizer step, then `zero_grad()`. Micro-steps'
-    bf16 (fp16) gradients add up in fp32 (ddp.FP32Accumulation), as in 01-04.
-    """
+class ZeROMuon(optimizers.MuonAndAdamW):
+    """Shaped like `ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`, used where a loop
+    used that (and DDP: 09 reduces itself), sharded by whole parameters: Muon (`muon_defaults`) on
+    the groups with `use_muon`, `optimizer_class` (AdamW) on the others, over the ones I own.
+    `grad_clip`: global-norm clipping (0: off); `find_unused_parameters` as DDP's. Rank 0's
+    parameters are broadcast here. Micro-steps' bf16 gradients add up in fp32, as in 01-04."""
     unscale_in_step = True  # fp16: LossScaler.step calls step(unscale=) (lessonkit/loss_scale.py)
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, grad_clip=0.0, find_unused_parameters=False,
@@ -142,21 +134,12 @@ class ZeROMuon(torch.optim.Optimizer):
         self.masters = {p: self.flat_param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
                         if dtype == torch.float32 else optimizers.master_weights(p).view_as(p).clone()
                         for p in mine[self.rank]}
-        inner = lambda use_muon: [{**{k: v for k, v in g.items() if k != "use_muon"},  # noqa: E731
-                                   "params": [self.masters[p] for p in g["params"] if p in self.masters]}
-                                  for g in groups if bool(g.get("use_muon")) == use_muon]
-        muon_groups_, other_groups = inner(True), inner(False)
-        self.muon = (torch.optim.Muon(muon_groups_, **(muon_defaults or {}))
-                     if any(g["params"] for g in muon_groups_) else None)
-        self.other = optimizer_class(other_groups, **defaults) if any(g["params"] for g in other_groups) else None
-        self.optims = [o for o in (self.muon, self.other) if o is not None]
-        super().__init__(list(self.masters.values()) or [torch.zeros(0, requires_grad=True)], {})
-        self.param_groups = [g for o in self.optims for g in o.param_groups]  # what a scheduler sets steps
+        super().__init__([{**g, "params": [self.masters[p] for p in g["params"] if p in self.masters]} for g in groups],
+                         optimizer_class, muon_defaults, **defaults)  # Muon and AdamW over my masters
         self.used = optimizers.UsedParameters(self.params, device) if find_unused_parameters else None
         for p in self.params if self.used else ():
             p.register_post_accumulate_grad_hook(self.used.mark)
         self.grad_accumulation = ddp.FP32Accumulation(self.params)
-        self.flops = None  # my optimizer step's FLOPs, counted by FlopCounterMode: Newton-Schulz's matmuls
 
     @torch.no_grad()
     def step(self, closure=None, unscale=None):
@@ -184,11 +167,7 @@ class ZeROMuon(torch.optim.Optimizer):
             if self.grad_clip > 0:
                 optimizers.clip_grad_norm_([m.grad for m in self.masters.values() if m.grad is not None],
                                            self.grad_clip, self.flat_param.device)
-            # my Newton-Schulz work is the same every step (the shapes I own): counted in the first only
-            with FlopCounterMode(display=False) if self.flops is None else contextlib.nullcontext() as counter:
-                for optim in self.optims:
-                    optim.step()
-            self.flops = self.flops if counter is None else counter.get_total_flops()
+            super().step()
             for p, master in self.masters.items():
                 if master.dtype != p.dtype:
                     p.copy_(master)  # bf16: rounded into my chunk of the flat buffer
@@ -207,71 +186,125 @@ class ZeROMuon(torch.optim.Optimizer):
             self.flat_grad.zero_()
         self.grad_accumulation.reset()
 
-    def state_dict(self):
-        return [optim.state_dict() for optim in self.optims]  # my parameters' state: Muon's, AdamW's
+    def theory(self, args, report, gathered):
+        """The formulas of this layout: 2-byte flat buffers in bf16 (4 in fp32), whole, with the fp32
+        sum of bf16 micro-steps; fp32 masters of what I own in bf16; a reduce-scatter and an
+        all-gather of the padded buffer a step (04's 2 Psi (N-1)/N, padding included)."""
+        b, n, padded = STATE_BYTES[args.precision]["params"], self.world_size, self.world_size * self.chunk
+        psi = sum(p.numel() for p in self.params)
+        grads = b * padded + 4 * psi * (b == 2 and args.grad_accum > 1)  # both flat buffers are whole
+        whole = {"params": b * padded, "grads": grads, "peak_grads": grads}
+        small = 4 * ((self.grad_clip > 0) + (len(self.params) if self.used else 0))  # clipping's norm, unused flags
+        owners_theory(args, report, gathered, self.owner, self.muon_params, newton_schulz_flops, [whole] * n, 4 * (b == 2),
+                     ring=(2 * padded * b + 2 * small) * (n - 1) / n, padding=padded - psi)
 
-    def load_state_dict(self, state_dict):
-        for optim, state in zip(self.optims, state_dict, strict=True):
-            optim.load_state_dict(state)
+
+# ----------------------------------------------------------------------------- ZeRO-3 with Muon
+class ZeRO3Owners(zero3.ZeRO3):
+    """--zero3 1: 06's ZeRO-3 (`fully_shard`'s place) with each unit laid out owner by owner, as
+    ZeROMuon lays out the whole model: my shard of a unit is the whole matrices I own in it, so
+    06's reduce-scatter hands me their whole gradients and Muon steps them where they are. The
+    cost: each unit's chunks are padded to its largest, and 06 gathers and reduces the padding
+    too, 3 K times a step (K micro-steps) where 04's layout sends it twice."""
+
+    def __init__(self, module, units=(), **kwargs):
+        super().__init__(module, units, **kwargs)
+        for unit in self.units:  # my shards of whole parameters take their shapes (Muon needs 2-D)
+            for i, (p, (lo, hi)) in enumerate(zip(unit.params, unit.ranges)):
+                if hi > lo:
+                    unit.sharded[i] = nn.Parameter(unit.shard[lo:hi].view(p.shape), p.requires_grad)
+        self.shard_of = {p: s for u in self.units for p, s in zip(u.params, u.sharded)}
+
+    def _place(self, unit):
+        """Before 06 keeps my shard: lay the unit out again, owner by owner (owners(), per unit)."""
+        muon = set(muon_groups(self.module, 0.0)[0]["params"]) & set(unit.params)  # (the unit's are in the module now)
+        owner = owners(unit.params, muon, self.world_size)
+        mine = [[p for p in unit.params if owner[p] == r] for r in range(self.world_size)]
+        chunk = max(sum(p.numel() for p in ps) for ps in mine)
+        flat, offset = unit.flat_param.new_zeros(self.world_size * chunk), {}
+        with torch.no_grad():
+            for r, ps in enumerate(mine):
+                at = r * chunk
+                for p in ps:
+                    offset[p] = at
+                    flat[at:at + p.numel()].copy_(p.flatten())
+                    p.data = flat[at:at + p.numel()].view_as(p)  # (06's version-counter trap: .data)
+                    at += p.numel()
+        unit.even_padded, unit.owner, unit.muon = unit.numel_padded, owner, muon  # (06's: for the report)
+        unit.flat_param, unit.offsets = flat, [offset[p] for p in unit.params]
+        unit.numel_padded, unit.shard_numel, unit.start = self.world_size * chunk, chunk, self.rank * chunk
+
+
+class UnitsMuon(optimizers.MuonAndAdamW):
+    """--zero3 1's optimizer: Muon and AdamW over my shards (whole), which 06's backward fills with
+    their mean gradients; step() unscales (fp16) and clips them first, as ZeROMuon's."""
+    unscale_in_step = True
+
+    def __init__(self, model, groups, grad_clip=0.0, **kwargs):
+        self.model, self.grad_clip = model, grad_clip
+        super().__init__([{**g, "params": [model.shard_of[p] for p in g["params"] if model.shard_of[p].numel()]}
+                          for g in groups], **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None, unscale=None):
+        if unscale is None or unscale([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]):
+            if self.grad_clip > 0:
+                self.model.clip_grad_norm_(self.grad_clip)  # 06's: one scalar all-reduce
+            super().step()
 
     def theory(self, args, report, gathered):
-        """Into rank 0's report (measure.Run's): per rank, the bytes held (with AdamW beside Muon, as
-        main() runs it), the elements owned and Newton-Schulz's FLOPs by formula beside what was
-        measured; the ring bytes sent per step."""
-        precision, n, padded = args.precision, self.world_size, self.world_size * self.chunk
-        b, fp32_sum = (4, 0) if precision == "fp32" else (2, 4 * (args.grad_accum > 1))  # micro-steps' fp32 sum
-        psi = sum(p.numel() for p in self.params)
-        owners = []
-        for r, measured in enumerate(gathered):
-            ps = [p for p in self.params if self.owner[p] == r]
-            adam = [p for p in ps if p not in self.muon_params]
-            n_all, n_adam = sum(p.numel() for p in ps), sum(p.numel() for p in adam)
-            owners.append({"params": b * padded, "grads": b * padded + fp32_sum * psi,  # both flat buffers, whole
-                           # Muon's momentum (4 bytes), AdamW's two moments (8) and step count (4 per
-                           # tensor), fp32 masters outside fp32 (4)
-                           "optimizer": 4 * (n_all - n_adam) + 8 * n_adam + 4 * len(adam) + 4 * n_all * (precision != "fp32"),
-                           "owned": n_all, "flops": sum(newton_schulz_flops(p.shape) for p in ps if p in self.muon_params),
-                           "measured_optimizer": measured["memory"]["optimizer"], "measured_flops": measured["optimizer_flops"]})
-        mine = owners[0]
-        report["memory"]["theory"].update({k: mine[k] for k in ("params", "grads", "optimizer")}, peak_grads=mine["grads"],
-                                          held_grads=mine["grads"] if args.grad_accum > 1 else None,
-                                          master_weights=4 * mine["owned"] * (precision != "fp32"),
-                                          total=mine["params"] + mine["grads"] + mine["optimizer"])
-        # a reduce-scatter and an all-gather of the padded buffer (04's 2 Psi (N-1)/N, padding included),
-        # clipping's squared norm and find_unused_parameters' flags all-reduced (an all-reduce: 2 (N-1)/N)
-        small = 4 * ((self.grad_clip > 0) + (len(self.params) if self.used else 0))
-        report["comm"]["theory_ring_bytes_per_step"] = (2 * padded * b + 2 * small) * (n - 1) / n
-        report["owners"], report["padding"] = owners, padded - psi
+        """06's layout's formulas, with owners' chunks: my fp32 shards (every unit's chunk) and their
+        fp32 gradients (the units where I own one), no separate masters; two all-gathers and a
+        reduce-scatter of each padded unit a micro-step (06's 3 K Psi (N-1)/N, padding included)."""
+        b, n, units = STATE_BYTES[args.precision]["params"], dist.get_world_size(), self.model.units
+        held = [{"params": 4 * sum(u.shard_numel for u in units),
+                 "grads": 4 * sum(u.shard_numel for u in units if any(u.owner[p] == r for p in u.trainable))}
+                for r in range(n)]
+        padded, even = (sum(getattr(u, k) for u in units) for k in ("numel_padded", "even_padded"))
+        small = 4 * (self.grad_clip > 0)
+        owners_theory(args, report, gathered, {p: u.owner[p] for u in units for p in u.trainable}, {p for u in units for p in u.muon}, newton_schulz_flops, held, 0,
+                     ring=(3 * args.grad_accum * padded * b + 2 * small) * (n - 1) / n,
+                     padding=padded - sum(p.numel() for u in units for p in u.params),
+                     extra_over_06=3 * args.grad_accum * (padded - even) * b * (n - 1) / n)
 
 
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoint_shards(optimizer, names):
     """For lessonkit/checkpoint.py: every parameter whole (every rank holds and loads it); its
     owner writes it with its fp32 master and its optimizer's state (Muon's momentum or AdamW's)."""
-    optim_of = {id(m): o for o in optimizer.optims for g in o.param_groups for m in g["params"]}
     out = []
     for p in optimizer.params:
         tensors, owned, optim = {"param": (0, p.data)}, (0, 0), None
         if p in optimizer.masters:
             master = optimizer.masters[p]
-            tensors["master"], owned, optim = (0, master), (0, p.numel()), optim_of[id(master)]
+            tensors["master"], owned, optim = (0, master), (0, p.numel()), optimizer.optimizer_of(master)
         out.append(FlatShard([(names[p], p.numel())], tensors, owned, optim))
     return out
 
 
 # ----------------------------------------------------------------------------- training
+def build(args, env):
+    """(module, model, optimizer, holders, checkpoint holder): 04's layout owner by owner, or with
+    --zero3 1, 06's units each laid out so (its parameters sharded too)."""
+    muon = dict(muon_defaults=dict(lr=args.lr, adjust_lr_fn="match_rms_adamw"),  # Muon's step at AdamW's size:
+                **optimizers.adamw_kwargs(args))                                  # both take --lr
+    if args.zero3:
+        model = zero3.build_model(args, env, ZeRO3Owners)
+        optimizer = UnitsMuon(model, muon_groups(model.module, args.weight_decay), args.grad_clip, **muon)
+        return model.module, model, optimizer, [model], functools.partial(checkpoint.unit_shards, model, optimizer)
+    model = common.build_model(args, env)
+    optimizer = ZeROMuon(muon_groups(model, args.weight_decay), torch.optim.AdamW, grad_clip=args.grad_clip, **muon)
+    return model, model, optimizer, [], functools.partial(checkpoint_shards, optimizer)
+
+
 def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
-    model = common.build_model(args, env)
-    optimizer = ZeROMuon(muon_groups(model, args.weight_decay), torch.optim.AdamW, grad_clip=args.grad_clip,
-                         # match_rms_adamw: Muon's step scaled to AdamW's size, so both take --lr
-                         muon_defaults=dict(lr=args.lr, adjust_lr_fn="match_rms_adamw"), **optimizers.adamw_kwargs(args))
+    module, model, optimizer, holders, shards = build(args, env)
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
-    run = measure.Run(args, env, "muon", model, optimizer, loss_scaler=scaler,
+    run = measure.Run(args, env, "muon", module, optimizer, holders=holders, loss_scaler=scaler,
                       theory=functools.partial(optimizer.theory, args))
-    ckpt = checkpoint.Checkpointer(args, env, run.strategy, model,  # --checkpoint-dir
-                                   functools.partial(checkpoint_shards, optimizer), loss_scaler=scaler)
+    ckpt = checkpoint.Checkpointer(args, env, run.strategy, module, shards, loss_scaler=scaler)  # --checkpoint-dir
     start = ckpt.resume()  # 0, or with --resume the step the newest checkpoint stopped at
 
     ### TRAINING SECTION BEGIN

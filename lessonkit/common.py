@@ -53,6 +53,7 @@ def build_parser(description=""):
     g = p.add_argument_group("communication")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (03, 05)")
     g.add_argument("--prefetch", type=int, choices=[0, 1], default=1, help="06: all-gather the next unit while this one computes")
+    g.add_argument("--zero3", type=int, choices=[0, 1], default=0, help="09: shard the parameters too (ZeRO-3 with Muon): 06's units, each laid out owner by owner")
     g.add_argument("--layout", choices=["even", "uneven"], default="even",
                    help="07: every unit cut evenly over all ranks, or each whole on one rank (the older layout)")
     g.add_argument("--chunk-mb", type=float, default=0.0, metavar="MB", help="07: blocks in forward order, whole, in chunks of <= MB MiB (fp32)")
@@ -97,10 +98,10 @@ def parse_args(argv=None, description=""):
     trains, a = "01 02 03 04 05 06 07 08 09", args
     untrained = [(f"--{k.replace('_', '-')}", trains, v != parser.get_default(k)) for k, v in vars(a).items() if k not in (
         "seed", "seq_len", "vocab_size", "n_layer", "d_model", "n_head", "link", "collectives", "device", "timeout",
-        "report", "bucket_mb", "prefetch", "layout", "chunk_mb", "shard_group", "reduce_every", "all_reduce_every")]
+        "report", "bucket_mb", "prefetch", "zero3", "layout", "chunk_mb", "shard_group", "reduce_every", "all_reduce_every")]
     for flag, owners, given in (("--layout", "07", a.layout != "even"), ("--chunk-mb", "07", a.chunk_mb != 0), ("--reduce-every",
                                 "05 06 07 08", a.reduce_every != "micro"), ("--all-reduce-every", "08", a.all_reduce_every != "micro"),
-                                ("--shard-group", "08", a.shard_group and not a.inter_link), *untrained):
+                                ("--shard-group", "08", a.shard_group and not a.inter_link), ("--zero3", "09", a.zero3), *untrained):
         if lesson and given and lesson not in owners:
             fail(f"{flag} is for lesson{'s 01-09' if owners == trains else ('s ' if ' ' in owners else ' ') + owners} only: lesson {lesson} would ignore it")
     for name, least in [(n, 1) for n in ("steps", "global_batch", "grad_accum", "seq_len", "n_layer", "d_model", "n_head",

@@ -104,7 +104,8 @@ class Unit:
         unused parameter, or one with no element in my shard, gets none: nothing to step."""
         for p, shard, (lo, hi) in zip(self.params, self.sharded, self.ranges):
             if p.requires_grad and hi > lo and p not in unused:
-                shard.grad = grad[lo:hi] if shard.grad is None else shard.grad.add_(grad[lo:hi])
+                g = grad[lo:hi].view_as(shard)  # (09 --zero3: a whole matrix, in its shape)
+                shard.grad = g if shard.grad is None else shard.grad.add_(g)
 
 
 def policy_dtypes(mp_policy):

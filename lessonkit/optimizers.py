@@ -1,11 +1,14 @@
 """The optimizer side the lessons share: AdamW with fp32 master weights for 01-03
 (MixedPrecisionAdamW), clipping across shards and find_unused_parameters (04-08), the
-learning-rate schedule and nanoGPT's weight-decay groups. (04's ShardOptimizer is on its page.)
+learning-rate schedule, nanoGPT's weight-decay groups and Muon beside AdamW (09). (04's
+ShardOptimizer is on its page.)
 """
+import contextlib
 import math
 
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
 from lessonkit.reshard import FlatShard
 
@@ -32,6 +35,40 @@ def refuse_matrix_optimizer(optimizer_class):
     if "muon" in getattr(optimizer_class, "__name__", "").lower():
         raise ValueError(f"{optimizer_class.__name__} orthogonalizes whole matrices, and a flat shard holds pieces "
                          "of them: use 09_muon.py's ZeROMuon, which gives each rank whole matrices")
+
+
+class MuonAndAdamW(torch.optim.Optimizer):
+    """Muon as it is used (09): torch.optim.Muon over the groups marked `use_muon`, optimizer_class
+    (AdamW) over the others, as one optimizer: `param_groups` are both's (a scheduler sets both),
+    `state_dict()` both's, `optimizer_of(t)` the one stepping t. The first step's FLOPs, counted
+    by FlopCounterMode (the matmuls are Newton-Schulz's), are `flops`: every step does the same."""
+
+    def __init__(self, groups, optimizer_class=torch.optim.AdamW, muon_defaults=None, **defaults):
+        split = lambda use: [{k: v for k, v in g.items() if k != "use_muon"}  # noqa: E731
+                             for g in groups if bool(g.get("use_muon")) == use]
+        self.optims = [cls(gs, **kw) for cls, gs, kw in ((torch.optim.Muon, split(True), muon_defaults or {}),
+                                                         (optimizer_class, split(False), defaults))
+                       if any(g["params"] for g in gs)]
+        super().__init__([p for g in groups for p in g["params"]] or [torch.zeros(0, requires_grad=True)], {})
+        self.param_groups = [g for o in self.optims for g in o.param_groups]
+        self.flops = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with FlopCounterMode(display=False) if self.flops is None else contextlib.nullcontext() as counter:
+            for optim in self.optims:
+                optim.step()
+        self.flops = self.flops if counter is None else counter.get_total_flops()
+
+    def optimizer_of(self, tensor):
+        return next(o for o in self.optims for g in o.param_groups for p in g["params"] if p is tensor)
+
+    def state_dict(self):
+        return [optim.state_dict() for optim in self.optims]
+
+    def load_state_dict(self, state_dict):
+        for optim, state in zip(self.optims, state_dict, strict=True):
+            optim.load_state_dict(state)
 
 
 @torch.no_grad()

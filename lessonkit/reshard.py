@@ -163,7 +163,8 @@ def stage(shards, index, steps):
 
 def unit_shards(model, optimizer, names):
     """For checkpoint.py, per parameter of `model` (06-08's ZeRO3): its elements in my shards, which
-    are its master weights too, and `optimizer`'s state for them. I write and load just those."""
+    are its master weights too, and `optimizer`'s state for them (09's two: the one stepping it). I
+    write and load just those."""
     out = []
     for u in model.units:
         for p, shard, offset, (lo, hi) in zip(u.params, u.sharded, u.offsets, u.ranges):
@@ -171,5 +172,5 @@ def unit_shards(model, optimizer, names):
             stepped = p.requires_grad and hi > lo
             tensors = {"param": (first, shard), **({"master": (first, shard)} if stepped else {})}
             out.append(FlatShard([(names[p], p.numel())], tensors, owned=(first, first + hi - lo),
-                                 optim=optimizer if stepped else None))
+                                 optim=getattr(optimizer, "optimizer_of", lambda t: optimizer)(shard) if stepped else None))
     return out

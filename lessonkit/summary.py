@@ -97,7 +97,8 @@ def print_summary(r):
         flops = [o["flops"] for o in r["owners"]]
         print(f"  layout (09): padding {r['padding']:,} elements ({r['padding'] / r['n_params']:.1%} of Psi, held and sent "
               f"by every rank) | Newton-Schulz imbalance: the busiest rank does {max(flops) / (sum(flops) / len(flops) or 1):.2f}x "
-              "the mean", flush=True)
+              "the mean" + (f" | over 06's even units: {r['extra_over_06'] / mib:.3f} MiB more sent a step, the "
+                            "padding's 3 K b (N-1)/N" if "extra_over_06" in r else ""), flush=True)
     if m.get("cuda_step_peak") is not None:  # everything the step allocated: activations too
         states = ("params", "grads", "optimizer")  # 07: its device tier's alone, the GPU's share
         tier = r["memory"]["theory_tiers"]["device"] if "host" in m else None

@@ -125,6 +125,31 @@ def theory_links(psi, shard, world, precision, grad_accum=1, reduce_every="micro
     return {"intra": (2 * k + rs) * psi * (g - 1) / g * b, "inter": 2 * ar * psi / g * (r - 1) / r * b}
 
 
+# ----------------------------------------------------------------------------- 09: whole parameters per owner
+def owners_theory(args, report, gathered, owner, muon, flops, held, master_bytes, ring, padding, **extra):
+    """09's formulas, into rank 0's report (measure.Run's theory=): each rank owns whole parameters,
+    `owner[p]` (p trainable), its own share. Per rank the elements owned, the optimizer state (Muon's momentum 4
+    bytes, AdamW's two moments 8 and a step count of 4 per tensor, `master_bytes` of fp32 master)
+    and the Newton-Schulz FLOPs (`flops(shape)` of each matrix in `muon`) beside what was measured;
+    `held[r]`, rank r's {params, grads} bytes; `ring`, the bytes a rank sends per step."""
+    out = []
+    for r, measured in enumerate(gathered):
+        owned = [p for p in owner if owner[p] == r]
+        adam = [p for p in owned if p not in muon]
+        n_all, n_adam = sum(p.numel() for p in owned), sum(p.numel() for p in adam)
+        out.append({**held[r], "owned": n_all, "measured_optimizer": measured["memory"]["optimizer"],
+                    "optimizer": 4 * (n_all - n_adam) + 8 * n_adam + 4 * len(adam) + master_bytes * n_all,
+                    "flops": sum(flops(p.shape) for p in owned if p in muon),
+                    "measured_flops": measured["optimizer_flops"]})
+    mine = out[0]
+    report["memory"]["theory"].update({k: mine[k] for k in ("params", "grads", "optimizer")},
+                                      held_grads=mine["grads"] if args.grad_accum > 1 else None, peak_grads=mine.get("peak_grads"),
+                                      master_weights=master_bytes * mine["owned"],
+                                      total=mine["params"] + mine["grads"] + mine["optimizer"])
+    report["comm"]["theory_ring_bytes_per_step"] = ring
+    report.update(owners=out, padding=padding, **extra)
+
+
 # ----------------------------------------------------------------------------- activations
 def theory_activations(rows, seq, d_model, n_head, n_layer, vocab, precision, checkpointing="none"):
     """The most activation bytes alive at once in one micro-step of model.py's GPT on one rank
