@@ -230,7 +230,7 @@ class ZeRO3Owners(zero3.ZeRO3):
                     flat[at:at + p.numel()].copy_(p.flatten())
                     p.data = flat[at:at + p.numel()].view_as(p)  # (06's version-counter trap: .data)
                     at += p.numel()
-        unit.even_padded, unit.owner, unit.muon = unit.numel_padded, owner, muon  # (06's: for the report)
+        unit.even_padded, unit.owner_of, unit.muon = unit.numel_padded, owner, muon  # (06's: for the report)
         unit.flat_param, unit.offsets = flat, [offset[p] for p in unit.params]
         unit.numel_padded, unit.shard_numel, unit.start = self.world_size * chunk, chunk, self.rank * chunk
 
@@ -258,11 +258,11 @@ class UnitsMuon(optimizers.MuonAndAdamW):
         reduce-scatter of each padded unit a micro-step (06's 3 K Psi (N-1)/N, padding included)."""
         b, n, units = STATE_BYTES[args.precision]["params"], dist.get_world_size(), self.model.units
         held = [{"params": 4 * sum(u.shard_numel for u in units),
-                 "grads": 4 * sum(u.shard_numel for u in units if any(u.owner[p] == r for p in u.trainable))}
+                 "grads": 4 * sum(u.shard_numel for u in units if any(u.owner_of[p] == r for p in u.trainable))}
                 for r in range(n)]
         padded, even = (sum(getattr(u, k) for u in units) for k in ("numel_padded", "even_padded"))
         small = 4 * (self.grad_clip > 0)
-        owners_theory(args, report, gathered, {p: u.owner[p] for u in units for p in u.trainable}, {p for u in units for p in u.muon}, newton_schulz_flops, held, 0,
+        owners_theory(args, report, gathered, {p: u.owner_of[p] for u in units for p in u.trainable}, {p for u in units for p in u.muon}, newton_schulz_flops, held, 0,
                      ring=(3 * args.grad_accum * padded * b + 2 * small) * (n - 1) / n,
                      padding=padded - sum(p.numel() for u in units for p in u.params),
                      extra_over_06=3 * args.grad_accum * (padded - even) * b * (n - 1) / n)

@@ -120,10 +120,10 @@ def adamw_kwargs(case):
 
 
 def counterpart(lesson, case):
-    if lesson == "09":  # with Muon, none (one process only); otherwise 04's (a ZeRO-1, by whole parameters)
+    if lesson == "09":  # with Muon, none (one process only); otherwise 04's (a ZeRO-1, by whole parameters) or 06's
         if case["optimizer"] == "muon":
             return None
-        lesson = "04"
+        lesson = "06" if case.get("zero3") else "04"
     if lesson in ("01", "02", "03") or lesson == "04" and case["precision"] == "fp16":
         return "ddp"  # (04 in fp16: DDP and GradScaler, as tests/test_fp16.py; SKIPS says why)
     if lesson == "04":  # ZeroRedundancyOptimizer steps bf16 (fp16) parameters in 2 bytes (no master weights)
@@ -269,6 +269,9 @@ def cases(draw, world=None, fp16=True):
     # (set_requires_all_reduce), their counterparts run with the same settings
     if accum > 1:
         case["reduce_every"], case["all_reduce_every"] = (draw(st.sampled_from(("micro", "step"))) for _ in "ra")
+    # 09's layout (drawn last, as above): 04's flat buffer owner by owner, or --zero3 1's (06's units,
+    # each laid out owner by owner), which trains as 06 does: beside FSDP2, in fp32 shards
+    case["zero3"] = draw(st.booleans())
     return case
 # Not drawn, as no lesson or counterpart runs it: ranks starting from different weights (FSDP2
 # shards each rank's own weights; tests/toy.py covers the lessons), a MixedPrecisionPolicy's
@@ -397,14 +400,16 @@ def maker(case, name):
     tests/lessons.py for `case`, around its model with the weights `seed` gives."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     low = LOW.get(case["precision"])  # bf16, fp16; None in fp32
-    sharded_fp32 = name in FSDP2 or name in ("06", "07", "08")  # fp32 shards, computing in 2 bytes by a policy
+    sharded_fp32 = name in FSDP2 or name in ("06", "07", "08") or name == "09" and case.get("zero3")  # fp32 shards,
+    # computing in 2 bytes by a policy
     opt_class, opt_kwargs = optimizer(case)
     kw = dict(grad_clip=case["clip"], weight_decay=case["weight_decay"], bucket_mb=case["bucket_mb"],
               find_unused=True, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs, adamw_kwargs=adamw_kwargs(case),
               layout=case.get("layout", "even") if case.get("collectives", "torch") == "torch" else "even",
               shard_group=None if case.get("defaults") else case.get("shard_group"), chunk=case.get("chunk", 1),
               prefetch=case.get("prefetch", True), defaults=case.get("defaults", False),
-              reduce_every=case.get("reduce_every", "micro"), all_reduce_every=case.get("all_reduce_every", "micro"))
+              reduce_every=case.get("reduce_every", "micro"), all_reduce_every=case.get("all_reduce_every", "micro"),
+              zero3=case.get("zero3", False))
     if sharded_fp32 and low is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low)  # as 06's main()
 
@@ -434,7 +439,7 @@ def train_steps(case, name, make, unused, checkpoint_dir):
     """The case's steps with the trainer make() builds (train): losses, parameters, the steps
     skipped, and for a resumed lesson why the state it loaded is not the state it saved (or None)."""
     rank, low = dist.get_rank(), LOW.get(case["precision"])
-    sharded_fp32 = name in FSDP2 or name in ("06", "07", "08")
+    sharded_fp32 = name in FSDP2 or name in ("06", "07", "08") or name == "09" and case.get("zero3")
     model, trainer = make(case["seed"], loss_scaler(name, case))
     resumed_why = {}
     step_no = [0]
@@ -773,7 +778,8 @@ def findings(case, ranks, lessons=LESSONS):
             # then the case sits at fp16's overflow for every recipe, SKIPS; seed 20261127 drew one
             # where one process skipped [0], FSDP2 [1] and 05, 05's counterpart within bounds at step 0, none)
             settled = ran_well and skipped.get(other) == skipped["reference"]
-            later = name in LATER and case["accum"] > 1 and skipped_later(skipped.get(name, []), skipped["reference"])
+            later = (name in LATER or name == "09" and case.get("zero3")) and case["accum"] > 1 and \
+                skipped_later(skipped.get(name, []), skipped["reference"])
             # a run that loaded another lesson's checkpoint took that lesson's steps before it (resumed)
             writer = case.get("resume_from")
             inherited = writer in ran and LESSONS.index(writer) < LESSONS.index(name) and \
@@ -839,6 +845,7 @@ def describe(case):
             f"{', checkpointed' if m.get('checkpoint') else ''}"
             f"{', 08 at G = ' + str(case['shard_group']) if case.get('shard_group') else ''}"
             f"{', units in chunks of 2' if case.get('chunk', 1) > 1 else ''}"
+            f"{', 09 --zero3 1' if case.get('zero3') else ''}"
             f"{', resumed at step ' + str(case['resume']) if case.get('resume') else ''}"
             f"{' (after ' + case['resume_from'] + ': from its checkpoint)' if case.get('resume_from') else ''}"
             + "".join(f", --{k.replace('_', '-')} step" for k in ("reduce_every", "all_reduce_every") if case.get(k) == "step"))

@@ -223,6 +223,21 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
         once = kw.get("reduce_every") == "step"  # no_sync() on every micro-step but the last
         return _ShardedOptimizer(module, opt, scaler=scaler,  # its reduce-scatters end inside backward
                                  sync=lambda last: contextlib.nullcontext() if last or not once else opt.no_sync())
+    if lesson == "09" and kw.get("zero3"):  # --zero3 1: 06's units, laid out owner by owner; Muon clips itself
+        lesson09, opt_class = load_lesson("09_muon"), kw.get("optimizer_class", torch.optim.AdamW)
+        z = lesson09.ZeRO3Owners(module, units=sharding_units(module, kw.get("chunk", 1)), prefetch=kw.get("prefetch", True),
+                                 find_unused_parameters=kw.get("find_unused", False), mp_policy=kw.get("mp_policy"))
+        if opt_class is MUON:
+            opt, clip = lesson09.UnitsMuon(z, lesson09.muon_groups(module, wd), grad_clip, muon_defaults=kw.get("optimizer_kwargs"),
+                                           **kw.get("adamw_kwargs") or adamw(lr)), None
+        else:
+            opt = opt_class(optimizers.decay_groups(z, wd), **kw.get("optimizer_kwargs", adamw(lr)))
+            clip = (lambda: z.clip_grad_norm_(grad_clip)) if grad_clip > 0 else None
+
+        def step():
+            scaler.step(opt, clip=clip)
+            opt.zero_grad()
+        return _FullySharded(z, step=step, full_parameters=lambda: zero3_full_parameters(z), opt=opt, scaler=scaler)
     if lesson == "09":  # Muon (optimizer_class) on muon_groups' matrices and AdamW on the rest; else the class on all
         lesson09, opt_class = load_lesson("09_muon"), kw.get("optimizer_class", torch.optim.AdamW)
         muon = opt_class is MUON
@@ -242,7 +257,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
 def handles(lesson, trainer):
     """(module, holder): the plain model and what describes it to lessonkit/checkpoint.py, as each
     lesson's main() gives its Checkpointer (01-08)."""
-    if lesson in ("06", "07", "08"):  # of the model and the caller's optimizer: 08's, or 06's and 07's in the kit
+    if lesson in ("06", "07", "08") or hasattr(trainer.model, "units"):  # (and 09 --zero3 1): 08's, or the kit's
         shards = load_lesson("08_hybrid").checkpoint_shards if lesson == "08" else checkpoint.unit_shards
         return trainer.model.module, functools.partial(shards, trainer.model, trainer.opt)
     if lesson in ("04", "05", "09"):  # the lesson's function, of its optimizer

@@ -33,6 +33,7 @@ from scripts.learn.muon_gaps import fp32_newton_schulz
 from test_checkpoint import copy_checkpoint, refused
 from tolerances import TOL
 from zero_parity import ARGV, BF16_LOSS_ATOL, initial_params
+from zero_parity import close as fp32_close
 
 LESSON = "09_muon"
 LR = 3e-3  # common's default --lr, which ARGV keeps
@@ -42,10 +43,14 @@ MUON_BF16_SPREAD = 1.5
 
 def argvs(world):
     """The runs at `world` ranks: fp32, clipping with micro-steps, bf16 without and with micro-steps
-    (global batches N divides)."""
+    (global batches N divides); and with --zero3 1 (ZERO3: the key each is held to the reference of)."""
     base = ARGV + ["--global-batch", "12" if world == 3 else "8"]
-    return {"main": base, "accum_clip": base + ["--grad-clip", "0.05", "--grad-accum", "2"],
+    runs = {"main": base, "accum_clip": base + ["--grad-clip", "0.05", "--grad-accum", "2"],
             "bf16": base + ["--precision", "bf16"], "bf16_accum": base + ["--precision", "bf16", "--grad-accum", "2"]}
+    return {**runs, **{key: runs[like] + ["--zero3", "1"] for key, like in ZERO3.items()}}
+
+
+ZERO3 = {"zero3": "main", "zero3_accum_clip": "accum_clip", "zero3_bf16": "bf16_accum"}
 
 
 def muon_reference(argv, fp32_iteration=False):
@@ -103,11 +108,15 @@ def checkpoints(world, root):
     """At 2 ranks: a run saving every 2 steps, and one resumed from its step 4; each way between 04's
     and 09's checkpoints, the refusal. At 3 ranks: a run resumed from the 2-rank run's step 4."""
     base, CKPT = argvs(3)["accum_clip"], root  # (12 sequences: 2 and 3 ranks divide them)
-    if world == 3:
-        return {"other_world": run_lesson(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "resume"), "--resume"])}
+    if world == 3:  # (and --zero3 1 from the 2-rank --zero3 0 checkpoint: another layout, another world)
+        return {kind: run_lesson(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "resume"), "--resume"] + extra)
+                for kind, extra in (("other_world", []), ("zero3_other_world", ["--zero3", "1"]))}
     out = {"whole": run_lesson(LESSON, base + SAVE + ["--checkpoint-dir", os.path.join(CKPT, "09")])}
     copy_checkpoint(os.path.join(CKPT, "09"), 4, os.path.join(CKPT, "resume"))
     out["resumed"] = run_lesson(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "resume"), "--resume"])
+    out["zero3_whole"] = run_lesson(LESSON, base + SAVE + ["--zero3", "1", "--checkpoint-dir", os.path.join(CKPT, "09z")])
+    copy_checkpoint(os.path.join(CKPT, "09z"), 4, os.path.join(CKPT, "resume_z"))
+    out["zero3_resumed"] = run_lesson(LESSON, base + ["--zero3", "1", "--checkpoint-dir", os.path.join(CKPT, "resume_z"), "--resume"])
     run_lesson("04_zero1", base + SAVE + ["--checkpoint-dir", os.path.join(CKPT, "04")])
     out["refused"] = [refused(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "04"), "--resume"]),
                       refused("04_zero1", base + ["--checkpoint-dir", os.path.join(CKPT, "09"), "--resume"])]
@@ -185,6 +194,7 @@ def _root():
 
 
 def ref(world, key, fp32_iteration=False):
+    key = "bf16" if key == "zero3_bf16" else ZERO3.get(key, key)  # (one process: one step, whole batch)
     return _ref(tuple(argvs(world)[key]), fp32_iteration)
 
 
@@ -200,10 +210,10 @@ def distance(a, b, argv):
     return (num / sum((b["params"][n] - init[n]).pow(2).sum() for n in b["params"]).sqrt()).item()
 
 
-def bf16_close(world, fp32_iteration):
+def bf16_close(world, fp32_iteration, key="bf16"):
     """09 in bf16 against one process in bf16: losses within zero_parity's BF16_LOSS_ATOL; parameters
     no farther than MUON_BF16_SPREAD x as far as bf16 Muon itself ends from fp32 Muon."""
-    got, want = results(world)[0]["bf16_fp32ns" if fp32_iteration else "bf16"], ref(world, "bf16", fp32_iteration)
+    got, want = results(world)[0][f"{key}_fp32ns" if fp32_iteration else key], ref(world, "bf16", fp32_iteration)
     torch.testing.assert_close(got["losses"], want["losses"], rtol=0, atol=BF16_LOSS_ATOL)
     spread = distance(want, ref(world, "main", fp32_iteration), argvs(world)["bf16"])
     assert distance(got, want, argvs(world)["bf16"]) <= MUON_BF16_SPREAD * spread
@@ -218,7 +228,7 @@ def test_every_rank_holds_the_same_weights(world):
 
 
 def test_one_rank_is_single_process_muon_bit_for_bit():
-    for key in ("main", "bf16"):  # (clipping: torch's norm adds the squares in another order)
+    for key in ("main", "bf16", "zero3"):  # (clipping: torch's norm adds the squares in another order)
         got, want = results(1)[0][key], ref(1, key)
         assert got["losses"] == want["losses"], key
         assert all(torch.equal(got["params"][n], p) for n, p in want["params"].items()), key
@@ -226,16 +236,18 @@ def test_one_rank_is_single_process_muon_bit_for_bit():
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_matches_single_process_muon_with_the_iteration_in_fp32(world):
-    for key in ("main", "accum_clip"):
-        close(results(world)[0][f"{key}_fp32ns"], ref(world, key, fp32_iteration=True), TOL)
-    bf16_close(world, fp32_iteration=True)
+    for key in ("main", "accum_clip", "zero3", "zero3_accum_clip"):
+        fp32_close(results(world)[0][f"{key}_fp32ns"], ref(world, key, fp32_iteration=True))  # (the key bias: zero_parity's)
+    for key in ("bf16", "zero3_bf16"):
+        bf16_close(world, True, key)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_with_torchs_bf16_iteration_within_one_step_of_muon(world):
-    for key in ("main", "accum_clip"):
+    for key in ("main", "accum_clip", "zero3", "zero3_accum_clip"):
         close(results(world)[0][key], ref(world, key), dict(rtol=0, atol=MUON_BF16_ATOL))
-    bf16_close(world, fp32_iteration=False)
+    for key in ("bf16", "zero3_bf16"):
+        bf16_close(world, False, key)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -253,6 +265,27 @@ def test_bytes_memory_and_newton_schulz_flops_equal_their_formulas(world):
             assert owner["measured_flops"] == owner["flops"] > 0, key
         assert sum(o["owned"] for o in report["owners"]) == report["n_params"]
         assert memory_theory(report)["optimizer"] == report["owners"][0]["optimizer"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zero3_bytes_memory_and_flops_equal_their_formulas_its_padding_counted_over_06s(world):
+    from test_06_zero3 import padded as even, units
+    for key, k in (("zero3", 1), ("zero3_accum_clip", 2), ("zero3_bf16", 2)):
+        report, b = results(world)[0][key]["report"], 2 if key == "zero3_bf16" else 4
+        padded, unit_sizes = report["n_params"] + report["padding"], units(argvs(world)[key])[0]
+        assert sent_bytes(report) == pytest.approx(theory_bytes(report), rel=1e-12), key
+        ops, n_units = comm_ops(report), len(unit_sizes)  # 06's: per unit and micro-step, 2 gathers, 1 reduce-scatter
+        assert ops["all_gather"] == {"calls": 2 * k * n_units, "bytes": 2 * k * padded * b}, key
+        assert ops["reduce_scatter"] == {"calls": k * n_units, "bytes": k * padded * b}, key
+        # the padding over 06's even units, gathered twice and reduce-scattered once a micro-step
+        over = padded - sum(even(n, world) for n in unit_sizes)
+        assert report["extra_over_06"] == pytest.approx(3 * k * over * b * (world - 1) / world, rel=1e-12) and over > 0
+        for m, owner in zip(held(report), report["owners"]):  # my fp32 shards: padded / N of every unit
+            assert m["params"] == owner["params"] == 4 * padded // world and m["master_weights"] == 0, key
+            assert m["grads"] == owner["grads"] <= m["params"], key
+            assert m["optimizer"] == owner["optimizer"] == owner["measured_optimizer"], key
+            assert owner["measured_flops"] == owner["flops"] > 0, key
+        assert sum(o["owned"] for o in report["owners"]) == report["n_params"]
 
 
 def test_owners_balance_newton_schulz_work_not_bytes():
@@ -288,11 +321,12 @@ def test_muon_takes_the_hidden_matrices_and_adamw_embeddings_the_tied_head_norms
 
 def test_a_resumed_run_is_the_uninterrupted_run_at_any_world_size():
     ck = results(2)[0]["checkpoints"]
-    whole, resumed = ck["whole"], ck["resumed"]
-    assert resumed["losses"] == whole["losses"][4:]  # the same world: bit for bit
-    assert all(torch.equal(resumed["params"][n], p) for n, p in whole["params"].items())
-    other = results(3)[0]["checkpoints"]["other_world"]  # 3 ranks sum the gradients in another order
-    close(other, {"losses": whole["losses"][4:], "params": whole["params"]}, dict(rtol=0, atol=MUON_BF16_ATOL))
+    for whole, resumed in ((ck["whole"], ck["resumed"]), (ck["zero3_whole"], ck["zero3_resumed"])):
+        assert resumed["losses"] == whole["losses"][4:]  # the same world and layout: bit for bit
+        assert all(torch.equal(resumed["params"][n], p) for n, p in whole["params"].items())
+    for kind in ("other_world", "zero3_other_world"):  # 3 ranks sum the gradients in another order
+        close(results(3)[0]["checkpoints"][kind], {"losses": ck["whole"]["losses"][4:], "params": ck["whole"]["params"]},
+              dict(rtol=0, atol=MUON_BF16_ATOL))
 
 
 def test_muons_and_adamws_checkpoints_refuse_each_other_in_one_line():

@@ -43,6 +43,7 @@ CASES = {
     # 2 ranks as two replicas of one shard: 5b)'s async all-reduce of each gradient shard
     "08_replicas": ("08_hybrid", ZERO3 + ACCUM + ["--shard-group", "1"]),
     "09_bf16_accum": ("09_muon", ARGV + BF16 + ACCUM),  # (blocking collectives only: its poisoned outputs)
+    "09_zero3_bf16_accum": ("09_muon", ZERO3 + BF16 + ACCUM + ["--zero3", "1"]),  # 06's async collectives
 }
 # 08 on a 2 x 2 grid (a launch of 4 ranks): the shard group's gathers and reduce-scatters and the
 # replicate group's all-reduce of each gradient shard, all async, in flight together
