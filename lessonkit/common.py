@@ -171,10 +171,8 @@ def choose_device(requested, ranks_here, gpus):
         raise ValueError("--device cuda was asked for, but no CUDA GPU is available (use --device cpu)" if gpus == 0 else
                          f"--device cuda: {ranks_here} ranks on this node but only {gpus} GPUs; NCCL needs "
                          f"one GPU per rank (--nproc_per_node={gpus}, or --device cpu)")
-    why = "no CUDA GPU here" if gpus == 0 else (
-        f"{ranks_here} ranks on this node but only {gpus} GPU{'s' if gpus > 1 else ''}, and NCCL needs "
-        f"one per rank (--nproc_per_node={gpus} runs on the GPUs)")
-    return "cpu", why
+    return "cpu", "no CUDA GPU here" if gpus == 0 else (f"{ranks_here} ranks on this node but only {gpus} GPU"
+                                                        f"{'s' if gpus > 1 else ''}, and NCCL needs one per rank (--nproc_per_node={gpus} runs on the GPUs)")
 
 
 @dataclass

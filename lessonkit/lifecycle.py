@@ -224,6 +224,8 @@ def run_main(main):
                 first = f"lost rank 0 (its rendezvous store is unreachable); {first}"
             elif lost:
                 first = f"{_named(lost, 3 * HEARTBEAT_S)}; {first}"
+        if "Muon only supports 2D" in first:  # torch.optim.Muon over 06-08's shards: torch's check, our reason
+            first += ": a flat shard holds pieces of matrices; 09_muon.py (--zero3 1: 06's units) gives each rank whole ones"
         say(f"error (rank {os.environ.get('RANK', '0')}): {type(e).__name__}: {first} (DP_DEBUG=1 shows the traceback)")
         exit_process(1)
     if diverged:  # a finished run whose loss is nan or infinite: not a result (every rank holds the same losses)

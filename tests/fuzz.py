@@ -68,8 +68,8 @@ from tolerances import (FUZZ_BF16_ADAM_EPS, FUZZ_BF16_FLOOR_ULPS, FUZZ_BF16_LOSS
 
 LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08", "09")
 # the lessons an fp16 case runs: those that take --precision fp16 (scripts/runs.FP16_LESSONS: all;
-# their counterparts scale with torch.amp.GradScaler, FSDP2's with ShardedGradScaler)
-FP16 = tuple(name[:2] for name in FP16_LESSONS)
+# their counterparts scale with torch.amp.GradScaler, FSDP2's with ShardedGradScaler), and 09
+FP16 = tuple(name[:2] for name in FP16_LESSONS) + ("09",)
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 2-byte precisions: parameters, gradients
 # per 2-byte precision: (its significant bits, tolerances.FUZZ_*'s update and loss bounds, AdamW's eps)
 BOUNDS = {"bf16": (8, FUZZ_BF16_UPDATE_RTOL, FUZZ_BF16_LOSS_ATOL, FUZZ_BF16_ADAM_EPS),
@@ -81,7 +81,7 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, adamw(1e-2)),
 # Muon (PyTorch 2.9 and later) as 09 runs it: on 09's muon_groups' matrices, AdamW (the case's
 # "adamw") on the rest, at AdamW's step size. Only 09 runs it (04 and 05 refuse it; 01-03's and
 # 06-08's optimizers step every parameter with one class); in the other cases 09 runs the case's
-# optimizer on every parameter, its ZeRO-1 by whole parameters. Its Newton-Schulz runs in fp32 in such a
+# optimizer on every parameter, by whole parameters (or --zero3 1's units). Its Newton-Schulz runs in fp32 in such a
 # case, in every run (muon_gaps.fp32_newton_schulz): torch's bf16 iteration moves the update where
 # a gradient element rounds to another bf16 value than one process's (tests/test_09_muon.py), and
 # the fuzzer's bounds are fp32's.

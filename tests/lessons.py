@@ -257,7 +257,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
 def handles(lesson, trainer):
     """(module, holder): the plain model and what describes it to lessonkit/checkpoint.py, as each
     lesson's main() gives its Checkpointer (01-08)."""
-    if lesson in ("06", "07", "08") or hasattr(trainer.model, "units"):  # (and 09 --zero3 1): 08's, or the kit's
+    if lesson in ("06", "07", "08") or hasattr(getattr(trainer, "model", None), "units"):  # (and 09 --zero3 1): 08's, or the kit's
         shards = load_lesson("08_hybrid").checkpoint_shards if lesson == "08" else checkpoint.unit_shards
         return trainer.model.module, functools.partial(shards, trainer.model, trainer.opt)
     if lesson in ("04", "05", "09"):  # the lesson's function, of its optimizer

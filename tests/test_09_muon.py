@@ -20,13 +20,15 @@ another matrix's gradient ends 50% and more away.
 import contextlib
 import functools
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
 import torch
 
 from graded import load_lesson
-from harness import close, comm_ops, held, memory_theory, once, run_lesson, sent_bytes, spawn, theory_bytes
+from harness import ROOT, close, comm_ops, held, memory_theory, once, run_lesson, sent_bytes, spawn, theory_bytes
 from lessonkit import common, optimizers
 from model import global_batch
 from scripts.learn.muon_gaps import fp32_newton_schulz
@@ -41,15 +43,17 @@ MUON_BF16_ATOL = LR
 MUON_BF16_SPREAD = 1.5
 
 
-def argvs(world):
+def argvs(world, zero3=False):
     """The runs at `world` ranks: fp32, clipping with micro-steps, bf16 without and with micro-steps
-    (global batches N divides); and with --zero3 1 (ZERO3: the key each is held to the reference of)."""
+    (global batches N divides). zero3: --zero3 1's, under ZERO3's keys (the run each repeats)."""
     base = ARGV + ["--global-batch", "12" if world == 3 else "8"]
     runs = {"main": base, "accum_clip": base + ["--grad-clip", "0.05", "--grad-accum", "2"],
             "bf16": base + ["--precision", "bf16"], "bf16_accum": base + ["--precision", "bf16", "--grad-accum", "2"]}
-    return {**runs, **{key: runs[like] + ["--zero3", "1"] for key, like in ZERO3.items()}}
+    return {key: runs[like] + ["--zero3", "1"] for key, like in ZERO3.items()} if zero3 else runs
 
 
+# --zero3 1 (ZeRO-3 with Muon: 06's units) in a launch of its own, its tests apart: they need 06's
+# regions too, so a student edition's 09 is graded on 09's own (tests/points.toml)
 ZERO3 = {"zero3": "main", "zero3_accum_clip": "accum_clip", "zero3_bf16": "bf16_accum"}
 
 
@@ -108,15 +112,11 @@ def checkpoints(world, root):
     """At 2 ranks: a run saving every 2 steps, and one resumed from its step 4; each way between 04's
     and 09's checkpoints, the refusal. At 3 ranks: a run resumed from the 2-rank run's step 4."""
     base, CKPT = argvs(3)["accum_clip"], root  # (12 sequences: 2 and 3 ranks divide them)
-    if world == 3:  # (and --zero3 1 from the 2-rank --zero3 0 checkpoint: another layout, another world)
-        return {kind: run_lesson(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "resume"), "--resume"] + extra)
-                for kind, extra in (("other_world", []), ("zero3_other_world", ["--zero3", "1"]))}
+    if world == 3:
+        return {"other_world": run_lesson(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "resume"), "--resume"])}
     out = {"whole": run_lesson(LESSON, base + SAVE + ["--checkpoint-dir", os.path.join(CKPT, "09")])}
     copy_checkpoint(os.path.join(CKPT, "09"), 4, os.path.join(CKPT, "resume"))
     out["resumed"] = run_lesson(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "resume"), "--resume"])
-    out["zero3_whole"] = run_lesson(LESSON, base + SAVE + ["--zero3", "1", "--checkpoint-dir", os.path.join(CKPT, "09z")])
-    copy_checkpoint(os.path.join(CKPT, "09z"), 4, os.path.join(CKPT, "resume_z"))
-    out["zero3_resumed"] = run_lesson(LESSON, base + ["--zero3", "1", "--checkpoint-dir", os.path.join(CKPT, "resume_z"), "--resume"])
     run_lesson("04_zero1", base + SAVE + ["--checkpoint-dir", os.path.join(CKPT, "04")])
     out["refused"] = [refused(LESSON, base + ["--checkpoint-dir", os.path.join(CKPT, "04"), "--resume"]),
                       refused("04_zero1", base + ["--checkpoint-dir", os.path.join(CKPT, "09"), "--resume"])]
@@ -167,17 +167,29 @@ def drop_in():
     return out
 
 
-def suite(world, root):
-    out = {"refusals": refusals()} if world == 1 else {}
-    if world == 2:
+def suite(world, root, zero3=False):
+    out = {"refusals": refusals()} if world == 1 and not zero3 else {}
+    if world == 2 and not zero3:
         out["drop_in"] = drop_in()
     if world in (2, 3):
-        out["checkpoints"] = checkpoints(world, root)
-    for key, argv in argvs(world).items():
+        out["checkpoints"] = (zero3_checkpoints if zero3 else checkpoints)(world, root)
+    for key, argv in argvs(world, zero3).items():
         out[key] = run_lesson(LESSON, argv)
         if key != "bf16_accum":  # (its bytes held only)
             with fp32_newton_schulz():
                 out[f"{key}_fp32ns"] = run_lesson(LESSON, argv)
+    return out
+
+
+def zero3_checkpoints(world, root):
+    """--zero3 1 at 2 ranks: saved every 2 steps and resumed from step 4; at 3 ranks, resumed from
+    the 2-rank run of 04's layout (checkpoints(): another layout and another world)."""
+    base = argvs(3)["accum_clip"] + ["--zero3", "1"]
+    if world == 3:
+        return {"other_world": run_lesson(LESSON, base + ["--checkpoint-dir", os.path.join(root, "resume"), "--resume"])}
+    out = {"whole": run_lesson(LESSON, base + SAVE + ["--checkpoint-dir", os.path.join(root, "09z")])}
+    copy_checkpoint(os.path.join(root, "09z"), 4, os.path.join(root, "resume_z"))
+    out["resumed"] = run_lesson(LESSON, base + ["--checkpoint-dir", os.path.join(root, "resume_z"), "--resume"])
     return out
 
 
@@ -188,6 +200,13 @@ def results(world):
     return spawn(world, suite, world, _root())
 
 
+@once
+def zero3_results(world):
+    if world == 3:
+        results(2)  # (its checkpoint, which world 3 resumes from)
+    return spawn(world, suite, world, _root(), True)
+
+
 @functools.lru_cache(maxsize=None)
 def _root():
     return tempfile.mkdtemp(prefix="test_09_")
@@ -196,6 +215,10 @@ def _root():
 def ref(world, key, fp32_iteration=False):
     key = "bf16" if key == "zero3_bf16" else ZERO3.get(key, key)  # (one process: one step, whole batch)
     return _ref(tuple(argvs(world)[key]), fp32_iteration)
+
+
+def of(world, key):
+    return (zero3_results if key in ZERO3 else results)(world)
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,7 +236,7 @@ def distance(a, b, argv):
 def bf16_close(world, fp32_iteration, key="bf16"):
     """09 in bf16 against one process in bf16: losses within zero_parity's BF16_LOSS_ATOL; parameters
     no farther than MUON_BF16_SPREAD x as far as bf16 Muon itself ends from fp32 Muon."""
-    got, want = results(world)[0][f"{key}_fp32ns" if fp32_iteration else key], ref(world, "bf16", fp32_iteration)
+    got, want = of(world, key)[0][f"{key}_fp32ns" if fp32_iteration else key], ref(world, "bf16", fp32_iteration)
     torch.testing.assert_close(got["losses"], want["losses"], rtol=0, atol=BF16_LOSS_ATOL)
     spread = distance(want, ref(world, "main", fp32_iteration), argvs(world)["bf16"])
     assert distance(got, want, argvs(world)["bf16"]) <= MUON_BF16_SPREAD * spread
@@ -228,7 +251,7 @@ def test_every_rank_holds_the_same_weights(world):
 
 
 def test_one_rank_is_single_process_muon_bit_for_bit():
-    for key in ("main", "bf16", "zero3"):  # (clipping: torch's norm adds the squares in another order)
+    for key in ("main", "bf16"):  # (clipping: torch's norm adds the squares in another order)
         got, want = results(1)[0][key], ref(1, key)
         assert got["losses"] == want["losses"], key
         assert all(torch.equal(got["params"][n], p) for n, p in want["params"].items()), key
@@ -236,18 +259,33 @@ def test_one_rank_is_single_process_muon_bit_for_bit():
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_matches_single_process_muon_with_the_iteration_in_fp32(world):
-    for key in ("main", "accum_clip", "zero3", "zero3_accum_clip"):
+    for key in ("main", "accum_clip"):
         fp32_close(results(world)[0][f"{key}_fp32ns"], ref(world, key, fp32_iteration=True))  # (the key bias: zero_parity's)
-    for key in ("bf16", "zero3_bf16"):
-        bf16_close(world, True, key)
+    bf16_close(world, fp32_iteration=True)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_with_torchs_bf16_iteration_within_one_step_of_muon(world):
-    for key in ("main", "accum_clip", "zero3", "zero3_accum_clip"):
+    for key in ("main", "accum_clip"):
         close(results(world)[0][key], ref(world, key), dict(rtol=0, atol=MUON_BF16_ATOL))
-    for key in ("bf16", "zero3_bf16"):
-        bf16_close(world, False, key)
+    bf16_close(world, fp32_iteration=False)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_zero3_matches_single_process_muon_on_every_rank(world):
+    """--zero3 1 held as 09 is above: the same weights on every rank; bit for bit at one rank; TOL
+    with the iteration in fp32; within MUON_BF16_ATOL, or MUON_BF16_SPREAD in bf16, with torch's."""
+    out = zero3_results(world)
+    for key in (k for k in out[0] if k != "checkpoints"):
+        assert all(torch.equal(o[key]["params"][n], p) for o in out[1:] for n, p in out[0][key]["params"].items()), key
+    if world == 1:
+        assert out[0]["zero3"]["losses"] == ref(1, "zero3")["losses"]
+        assert all(torch.equal(out[0]["zero3"]["params"][n], p) for n, p in ref(1, "zero3")["params"].items())
+    for key in ("zero3", "zero3_accum_clip"):
+        fp32_close(out[0][f"{key}_fp32ns"], ref(world, key, fp32_iteration=True))
+        close(out[0][key], ref(world, key), dict(rtol=0, atol=MUON_BF16_ATOL))
+    for fp32_iteration in (True, False):
+        bf16_close(world, fp32_iteration, "zero3_bf16")
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -271,8 +309,8 @@ def test_bytes_memory_and_newton_schulz_flops_equal_their_formulas(world):
 def test_zero3_bytes_memory_and_flops_equal_their_formulas_its_padding_counted_over_06s(world):
     from test_06_zero3 import padded as even, units
     for key, k in (("zero3", 1), ("zero3_accum_clip", 2), ("zero3_bf16", 2)):
-        report, b = results(world)[0][key]["report"], 2 if key == "zero3_bf16" else 4
-        padded, unit_sizes = report["n_params"] + report["padding"], units(argvs(world)[key])[0]
+        report, b = zero3_results(world)[0][key]["report"], 2 if key == "zero3_bf16" else 4
+        padded, unit_sizes = report["n_params"] + report["padding"], units(argvs(world, zero3=True)[key])[0]
         assert sent_bytes(report) == pytest.approx(theory_bytes(report), rel=1e-12), key
         ops, n_units = comm_ops(report), len(unit_sizes)  # 06's: per unit and micro-step, 2 gathers, 1 reduce-scatter
         assert ops["all_gather"] == {"calls": 2 * k * n_units, "bytes": 2 * k * padded * b}, key
@@ -301,11 +339,21 @@ def test_owners_balance_newton_schulz_work_not_bytes():
     assert max(work) - min(work) <= max(lesson.newton_schulz_flops(s) for s in shapes)
 
 
-def test_04_and_05_refuse_muon_in_one_line_naming_09():
+def test_04_05_and_06_refuse_muon_in_one_line_naming_09():
     said = results(1)[0]["refusals"]
     assert set(said) == {"04_zero1", "05_zero2"}, said
     for line in said.values():
         assert "\n" not in line and "whole matrices" in line and "09_muon.py" in line, line
+    # 06: torch.optim.Muon refuses its flat shards in its own constructor, before any line of 06;
+    # a lesson's run (lifecycle.run_main) then says why, in the same line
+    code = ("import importlib, torch, torch.distributed as dist\nfrom lessonkit import lifecycle\n"
+            "def main():\n    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))\n"
+            "    torch.optim.Muon(importlib.import_module('06_zero3').ZeRO3(model).parameters())\n"
+            "lifecycle.run_main(main)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1 and "pieces of matrices" in lines[0] and "09_muon.py" in lines[0], lines
 
 
 def test_muon_takes_the_hidden_matrices_and_adamw_embeddings_the_tied_head_norms_and_biases():
@@ -321,12 +369,20 @@ def test_muon_takes_the_hidden_matrices_and_adamw_embeddings_the_tied_head_norms
 
 def test_a_resumed_run_is_the_uninterrupted_run_at_any_world_size():
     ck = results(2)[0]["checkpoints"]
-    for whole, resumed in ((ck["whole"], ck["resumed"]), (ck["zero3_whole"], ck["zero3_resumed"])):
-        assert resumed["losses"] == whole["losses"][4:]  # the same world and layout: bit for bit
-        assert all(torch.equal(resumed["params"][n], p) for n, p in whole["params"].items())
-    for kind in ("other_world", "zero3_other_world"):  # 3 ranks sum the gradients in another order
-        close(results(3)[0]["checkpoints"][kind], {"losses": ck["whole"]["losses"][4:], "params": ck["whole"]["params"]},
-              dict(rtol=0, atol=MUON_BF16_ATOL))
+    whole, resumed = ck["whole"], ck["resumed"]
+    assert resumed["losses"] == whole["losses"][4:]  # the same world: bit for bit
+    assert all(torch.equal(resumed["params"][n], p) for n, p in whole["params"].items())
+    other = results(3)[0]["checkpoints"]["other_world"]  # 3 ranks sum the gradients in another order
+    close(other, {"losses": whole["losses"][4:], "params": whole["params"]}, dict(rtol=0, atol=MUON_BF16_ATOL))
+
+
+def test_zero3_resumes_bit_for_bit_and_from_the_other_layout_at_another_world_size():
+    z = zero3_results(2)[0]["checkpoints"]
+    assert z["resumed"]["losses"] == z["whole"]["losses"][4:]  # the same world and layout: bit for bit
+    assert all(torch.equal(z["resumed"]["params"][n], p) for n, p in z["whole"]["params"].items())
+    whole = results(2)[0]["checkpoints"]["whole"]  # 04's layout at 2 ranks, resumed under --zero3 1 at 3
+    close(zero3_results(3)[0]["checkpoints"]["other_world"], {"losses": whole["losses"][4:], "params": whole["params"]},
+          dict(rtol=0, atol=MUON_BF16_ATOL))
 
 
 def test_muons_and_adamws_checkpoints_refuse_each_other_in_one_line():
