@@ -9,13 +9,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lessonkit import loss_scale, pretrained
+from lessonkit import loss_scale, pretrained, simulate
 from lessonkit.lifecycle import WATCHDOG_S, env_int, fail, launched_world, restart_advice, say, start_heartbeat
 from model import GPT, GPTConfig
 from scripts.perf import ring_collectives
 
-# Supported: torch 2.6 to 2.15 (2.13 pinned; 2.6, 2.11, 2.14 run). all_gather_into_tensor and reduce_scatter_tensor, which every one has,
-# are aliases of *_single (absent before 2.13) since 2.13, which warns on every call. Silenced here only:
+# torch 2.6 to 2.15: all_gather_into_tensor and reduce_scatter_tensor (in all) alias *_single since 2.13, which warns per call:
 warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
 
 
@@ -78,22 +77,21 @@ def build_parser(description=""):
                         "auto: from it if there is one, else from step 0 (a job script under torchrun --max-restarts)")
     g.add_argument("--init-from", metavar="FILE", default=None, help="start from a GPT state_dict's weights, not the seed's")
     g = p.add_argument_group("run-time and measurement")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: CUDA (nccl) when every rank on the node has a GPU, else CPU (gloo)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA (nccl) when every rank on the node has a GPU, else CPU (gloo)")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds before a lost rank fails the run")
     g.add_argument("--log-every", type=int, default=10, help="print the loss every K steps (rank 0)")
     g.add_argument("--measure-step", type=int, default=2, help="the step whose communication and memory are measured")
-    g.add_argument("--peak-params", type=int, choices=[0, 1], default=1,
-                   help="sample parameter bytes after every op of the measured step (slow); 0 skips")
+    g.add_argument("--peak-params", type=int, choices=[0, 1], default=1, help="sample parameter bytes after every op of the measured step (slow); 0 skips")
     g.add_argument("--report", metavar="PATH", default=None, help="write a JSON report (rank 0; its folder is made before the first step)")
     g.add_argument("--trace", metavar="DIR", default=None, help="profile the measured step: DIR/trace_rank{r}.json per rank, DIR/timeline.png")
+    simulate.add_flags(g)  # --simulate-world N, --simulate-rank r (lessonkit/simulate.py)
     return p
 
 
 def parse_args(argv=None, description=""):
     parser = build_parser(description)
-    args, world = parser.parse_args(argv), launched_world()
-    lesson = description[7:9] if description.startswith("Lesson ") else ""  # "Lesson 07: ..."
+    args, lesson = parser.parse_args(argv), description[7:9] if description.startswith("Lesson ") else ""  # "Lesson 07: ..."
+    world = simulate.check(args, lesson, fail) or launched_world()  # --simulate-world N: N
     # a flag this lesson would ignore is refused (knobs pass); 00 trains nothing: it takes the GPT's shape, --seed, --link, run flags
     trains, a = "01 02 03 04 05 06 07 08 09", args
     untrained = [(f"--{k.replace('_', '-')}", trains, v != parser.get_default(k)) for k, v in vars(a).items() if k not in (
@@ -181,13 +179,16 @@ class Dist:
     world_size: int
     device: torch.device
     backend: str
-    master = property(lambda self: self.rank == 0)
+    simulated: bool = False  # --simulate-world: this process is the only one, whatever its rank
+    master = property(lambda self: self.rank == 0 or self.simulated)
 
 
 def init_distributed(args) -> Dist:
     """Join the process group: torchrun's environment if present, else a group of one; gloo on CPU, nccl on CUDA
     (cuda:LOCAL_RANK; choose_device), or in a group that exists (a test harness, sweep.py) its backend's device.
     The timeout makes a lost rank fail the others instead of hanging them. Sets args.device to what it chose."""
+    if getattr(args, "simulate_world", None) and not dist.is_initialized():  # one process as rank r of N (simulate.py)
+        return simulate.join(args, Dist)
     timeout, local_rank = timedelta(seconds=args.timeout), env_int("LOCAL_RANK", 0)
     ring = args.collectives == "ring"
     if dist.is_initialized():

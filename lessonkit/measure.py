@@ -1,8 +1,8 @@
 """Measurement of one lesson's run, observed from outside the lesson: Run times every step, logs
 one line from rank 0, measures `--measure-step` (its collectives with comm_meter.CommMeter, the
 bytes held with memory_ledger.MemoryLedger) and writes the summary and the JSON report, each
-measurement beside its formula from theory.py. The other steps run with nothing patched.
-`--trace DIR` (the profiler, the overlap on CUDA, the step's chart) is scripts/perf/timelines.Trace.
+measurement beside its formula from theory.py. The other steps run with nothing patched. `--trace DIR`
+(the profiler, the overlap on CUDA, the step's chart) is scripts/perf/timelines.Trace.
 """
 import json
 import statistics
@@ -90,9 +90,8 @@ class Run:
             self._log(step)
 
     def _sync(self):
-        """Wait for the step's communication: on CUDA the GPU's (kernels and NCCL collectives only
-        queue work on the CPU), under --collectives ring the ring's thread (ring_collectives.drain).
-        Before and after the measured step: its window then holds all that step sent and no more."""
+        """Wait for the step's communication: on CUDA the GPU's (the CPU only queues kernels and NCCL's), under
+        --collectives ring the ring's thread. Before and after the measured step: its window holds all it sent."""
         if self.cuda:
             torch.cuda.synchronize()
         ring_collectives.drain()
@@ -127,6 +126,8 @@ class Run:
 
     def _log(self, step):
         t = self.step_times[-1]
+        if self.env.simulated:  # (lessonkit/simulate.py: the other ranks' data never came)
+            return print(f"step {step:4d}/{self.args.steps} | simulated: no loss or time | {_memory_now(self.env)}")
         print(f"step {step:4d}/{self.args.steps} | loss {self.losses[-1]:.4f} | {t * 1e3:7.1f} ms | "
               f"{self.tokens_per_step / t:9,.0f} tok/s | {_memory_now(self.env)}", flush=True)
 
@@ -171,7 +172,7 @@ class Run:
         mem_theory = theory_memory(self.strategy, self.psi, shard if self.strategy in HYBRID else n, a.precision,
                                    self._grad_buckets_in_flight(), a.grad_accum, a.reduce_every)
         report = {
-            "strategy": self.strategy, "world_size": n, "backend": self.env.backend,
+            "strategy": self.strategy, "world_size": n, "rank": self.env.rank, "backend": self.env.backend,
             "device": self.env.device.type, "precision": a.precision, "n_params": self.psi,
             "config": vars(a), "losses": self.losses, "step_time_s": self.step_times,
             "resumed_from": self.resumed_from,  # losses[i] is step resumed_from + i (None: from 0)
@@ -234,8 +235,7 @@ class Run:
         return out
 
     def _grad_buckets_in_flight(self):
-        """What 05's gradient buckets (a BucketManager whose buffers exist only in flight; 03's are the
-        gradients) may hold during backward beside the gradients at rest (theory.buckets_in_flight)."""
+        """What 05's gradient buckets (alive in flight only) hold in backward beside the gradients (theory.buckets_in_flight)."""
         for root in self.ledger.roots:
             for m in (root, *getattr(root, "__dict__", {}).values()):
                 if hasattr(m, "max_in_flight") and not getattr(m, "grads_as_views", True) and m.buckets:

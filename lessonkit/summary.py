@@ -1,15 +1,29 @@
 """The summary a lesson prints at the end of its run, read from its report (measure.py): every
 measurement beside its formula (theory.py), rank 0's unless it says otherwise."""
+import contextlib
+import io
+import re
+
 from lessonkit.theory import STATE_BYTES
 
 
 def print_summary(r):
     """The run's summary, from its report: each measurement beside its formula."""
+    rank = r["config"].get("simulate_rank") if r["config"].get("simulate_world") else None
+    if rank is not None:  # one rank of N, alone (lessonkit/simulate.py): its lines are rank r's, and no loss or time
+        print(f"simulated: rank {rank} of {r['world_size']}, alone, on PyTorch's fake backend: every collective issued and "
+              f"counted, none moved data; no loss or step time is a result, the bytes held and issued are rank {rank}'s", flush=True)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            _print_summary(r, simulated=True)
+        return print(re.sub(r"rank 0(?! ?\d)", f"rank {rank}", out.getvalue()), end="", flush=True)
+    _print_summary(r)
+
+
+def _print_summary(r, simulated=False):
     mib = 2 ** 20
     comm = r["comm"]
-    print(f"summary {r['strategy']} | world {r['world_size']} {r['backend']} {r['precision']} | "
-          f"Psi = {r['n_params']:,} params | final loss {r['losses'][-1]:.4f} | "
-          f"median step {r['median_step_time_s'] * 1e3:.1f} ms")
+    print(f"summary {r['strategy']} | world {r['world_size']} {r['backend']} {r['precision']} | Psi = {r['n_params']:,} params"
+          + ("" if simulated else f" | final loss {r['losses'][-1]:.4f} | median step {r['median_step_time_s'] * 1e3:.1f} ms"))
     if r.get("loss_scale"):  # fp16: dynamic loss scaling (loss_scale.py)
         ls = r["loss_scale"]
         print(f"  loss scale: {ls['init_scale']:.10g} at the start, {ls['final_scale']:.10g} at the end | steps "
@@ -33,7 +47,9 @@ def print_summary(r):
             print("  per link, issued MiB per step, rank by rank: " + " | ".join(
                 f"{link} " + " ".join(f"{b:.3f}" for b in each) for link, each in issued.items()))
     ov = comm.get("overlap")
-    if r["world_size"] == 1:  # (its collectives, over a group of one, copy at most: none to hide)
+    if simulated:
+        pass  # (no data moved: nothing to overlap)
+    elif r["world_size"] == 1:  # (its collectives, over a group of one, copy at most: none to hide)
         print("  overlap: n/a at world 1 (no other rank: nothing crosses a wire)")
     elif ov is not None and ov.get("source"):
         print(f"  overlap rank 0: NCCL kernels {ov['comm_ms']:.1f} ms | exposed {ov['exposed_ms']:.1f} ms "
@@ -93,7 +109,7 @@ def print_summary(r):
         print("  owners (09), per rank: elements owned | optimizer MiB measured (formula) | Newton-Schulz GFLOP "
               "counted in the first step (formula): " + " | ".join(f"rank {i} {o['owned']:,} {o['measured_optimizer'] / mib:.2f} ({o['optimizer'] / mib:.2f}) "
                                          f"{(o['measured_flops'] or 0) / 1e9:.3f} ({o['flops'] / 1e9:.3f})"
-                                         for i, o in enumerate(r["owners"])), flush=True)
+                                         for i, o in enumerate(r["owners"]) if not simulated or i == r["config"]["simulate_rank"]), flush=True)
         flops = [o["flops"] for o in r["owners"]]
         print(f"  layout (09): padding {r['padding']:,} elements ({r['padding'] / r['n_params']:.1%} of Psi, held and sent "
               f"by every rank) | Newton-Schulz imbalance: the busiest rank does {max(flops) / (sum(flops) / len(flops) or 1):.2f}x "

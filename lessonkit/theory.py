@@ -141,7 +141,7 @@ def owners_theory(args, report, gathered, owner, muon, flops, held, master_bytes
                     "optimizer": 4 * (n_all - n_adam) + 8 * n_adam + 4 * len(adam) + master_bytes * n_all,
                     "flops": sum(flops(p.shape) for p in owned if p in muon),
                     "measured_flops": measured["optimizer_flops"]})
-    mine = out[0]
+    mine = out[report["rank"]]  # (the report's rank: 0, or --simulate-rank r)
     report["memory"]["theory"].update({k: mine[k] for k in ("params", "grads", "optimizer")},
                                       held_grads=mine["grads"] if args.grad_accum > 1 else None, peak_grads=mine.get("peak_grads"),
                                       master_weights=master_bytes * mine["owned"],
