@@ -50,6 +50,10 @@ accumulation: setup  ## 05-08 reducing at every micro-step or once a step, K = 1
 muon-gaps: setup ## why sharded Muon ends away from one process: ZeroRedundancyOptimizer, FSDP2 and 09 at 2 ranks, bf16 and fp32 Newton-Schulz (~3 minutes): docs/results.md
 	$(PY) -m scripts.learn.muon_gaps
 
+.PHONY: figure1
+figure1: setup ## the ZeRO paper's Figure 1 measured: one rank of 64 (and 1024) simulated, 06 at 7.5B, 01/04/05 at 0.6B (~15 minutes): docs/results.md
+	$(PY) -m scripts.learn.figure1
+
 .PHONY: calibrate-link
 calibrate-link: setup  ## the cost model against 01-06 on simulated 1 and 10 Gb/s links (~3 minutes): runs/at_scale/link_calibration.json; exit 1 beyond +-15%
 	$(PY) -m scripts.learn.at_scale --calibrate --link 1:50 10:50
