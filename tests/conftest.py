@@ -31,7 +31,7 @@ SLOW_FILES = {
     "test_checkpoint.py", "test_course.py", "test_dcp.py", "test_debug_demos.py", "test_determinism.py",
     "test_drop_in.py", "test_failures.py", "test_gpu_check.py", "test_gpu_ready.py",
     "test_lecture.py", "test_notebooks.py", "test_resume_auto.py", "test_ring_collectives.py",
-    "test_routing_replicated.py", "test_scaling_bench.py", "test_trace_overlap.py",
+    "test_routing_replicated.py", "test_scaling_bench.py", "test_simulate.py", "test_trace_overlap.py",
 }
 FAST_FUZZ_SLICES = ("[1]", "[2]")  # the fuzz slice at 1 and 2 ranks; 3 and 4 ranks are slow
 
