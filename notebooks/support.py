@@ -120,6 +120,41 @@ def muon_runs(world=MUON_WORLD):
     return _sweep(world, [*FLAGS, "--lessons", "04_zero1", "09_muon"])[world]
 
 
+# memory.ipynb's Figure 5: one rank of N simulated (--simulate-world), the default GPT (Psi = 0.81M)
+SIM_LESSONS = ["01_vanilla_dp", "04_zero1", "05_zero2", "06_zero3"]
+SIM_WORLDS = [1, 64] if QUICK else [1, 8, 64, 1024]
+
+
+def simulated_runs(worlds=SIM_WORLDS):
+    """{(lesson, N): report} of rank 0 of N, simulated alone (lessonkit/simulate.py), bf16, the second
+    step measured (AdamW's moments exist by then); cached as the sweeps are. (Rank 0: the last rank's
+    shards end in each flat buffer's padding, up to N - 1 elements, which at N = 1024 is most of them.)"""
+    out = {}
+    for lesson in SIM_LESSONS:
+        for n in worlds:
+            argv = ["--seq-len", "8", "--global-batch", n, "--steps", "2", "--measure-step", "1", "--peak-params", "0",
+                    "--precision", "bf16", "--simulate-world", n, "--simulate-rank", 0]
+            path = os.path.join(CACHE, f"simulated_{_code_hash([lesson, argv])}.json")
+            if not os.path.exists(path):
+                os.makedirs(CACHE, exist_ok=True)
+                with open(path + ".tmp", "w") as f:
+                    json.dump(launch(lesson, 1, argv), f)
+                os.replace(path + ".tmp", path)
+            with open(path) as f:
+                out[lesson, n] = json.load(f)
+    return out
+
+
+def figure1_at_scale():
+    """[(lesson "01", Psi, N, measured bytes per rank, formula bytes)] from docs/results.md's table that
+    `make figure1` writes (one rank of N simulated at the paper's size); [] where it has not run."""
+    path = os.path.join(ROOT, "docs", "results.md")
+    text = open(path).read() if os.path.exists(path) else ""
+    section = text[text.find("<!-- figure1 -->"):text.find("<!-- /figure1 -->")] if "<!-- figure1 -->" in text else ""
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| 0")]
+    return [(r[0].strip(), float(r[2].strip()[:-1]) * 1e9, int(r[3]), float(r[4]) * 1e9, float(r[5]) * 1e9) for r in rows]
+
+
 def _sweep(nproc, argv):
     """scripts/perf/sweep.py on `nproc` ranks, kept in CACHE under a hash of argv and the code."""
     path = os.path.join(CACHE, f"sweep_{_code_hash([nproc, argv])}.json")

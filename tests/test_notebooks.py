@@ -12,7 +12,7 @@ import nbformat  # noqa: F401  (a clear ImportError here if the notebook tools a
 from harness import ROOT
 from scripts.perf.figures import execute
 
-FIGURES = {"memory.ipynb": ["memory_per_rank", "memory_offload_tiers", "memory_activations", "zero3_params_timeline", "muon_per_rank",
+FIGURES = {"memory.ipynb": ["memory_per_rank", "memory_offload_tiers", "memory_activations", "zero3_params_timeline", "muon_per_rank", "figure1_simulated",
                            "zero_calculator"],
            "comm_volume.ipynb": ["comm_per_step", "ring_reduce_scatter", "bandwidth"],
            "at_scale.ipynb": ["at_scale_memory", "at_scale", "at_scale_crossover", "at_scale_largest", "at_scale_hsdp"]}
