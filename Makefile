@@ -51,7 +51,7 @@ muon-gaps: setup ## why sharded Muon ends away from one process: ZeroRedundancyO
 	$(PY) -m scripts.learn.muon_gaps
 
 .PHONY: figure1
-figure1: setup ## the ZeRO paper's Figure 1 measured: one rank of 64 (and 1024) simulated, 06 at 7.5B, 01/04/05 at 0.6B (~15 minutes): docs/results.md
+figure1: setup ## the ZeRO paper's Figure 1 measured: one rank of 64 (and 1024) simulated, 06 at 7.5B, 01/04/05 at 0.6B (~35 minutes): docs/results.md
 	$(PY) -m scripts.learn.figure1
 
 .PHONY: calibrate-link

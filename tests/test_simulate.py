@@ -67,3 +67,13 @@ def test_simulated_worlds_hold_and_issue_their_formulas(world):
         assert report["world_size"] == world and sum(op["calls"] for op in comm_ops(report).values()) > 0, lesson
         padded = 3 * 4 * padding_bytes(world)  # (a gather twice and a reduce-scatter, of each buffer's padding)
         assert abs(sent_bytes(report) - theory_bytes(report)) <= padded, (lesson, sent_bytes(report), theory_bytes(report))
+
+
+def test_make_figure1s_measure_is_the_formula_and_06s_peak_its_units_in_flight():
+    from scripts.learn import figure1
+    shape = ["--n-layer", "2", "--d-model", "64", "--n-head", "2"]
+    for lesson in ("04_zero1", "06_zero3"):
+        m = figure1.measure(lesson, shape, 8)
+        assert abs(m["held"] - figure1.formula(lesson, m["psi"], 8)) <= padding_bytes(8) + 4 * 64, lesson
+    # 06: its shards plus the root, the block computing and the one prefetched, byte for byte
+    assert m["peak_params"] == m["params"] + figure1.in_flight(shape, 8)

@@ -1,7 +1,7 @@
 """The ZeRO paper's Figure 1, measured: model states per rank of a 64-rank world, one rank
 simulated in one process (--simulate-world, lessonkit/simulate.py), read from live tensors.
 
-    make figure1        # about 15 minutes on 2 CPU cores: docs/results.md's "figure1" section
+    make figure1        # about 35 minutes on 2 CPU cores: docs/results.md's "figure1" section
 
 The paper: Psi = 7.5B parameters, N = 64, mixed precision (K = 12): 120 GB replicated, 31.4 GB
 P_os, 16.6 GB P_os+g, 1.9 GB P_os+g+p, that is (2 + 2 + K) Psi, (2 + 2 + K/N) Psi,
