@@ -8,7 +8,7 @@ export PYTHONWARNINGS ?= ignore::FutureWarning
 PY := $(if $(PYTHON),$(PYTHON),.venv/bin/python)
 
 help:            ## this list (plain `make` prints it)
-	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):[^#]*## /  make \1\t/' | expand -t 26
+	@grep -E '^[a-z0-9-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z0-9-]+):[^#]*## /  make \1\t/' | expand -t 26
 
 setup:           ## make .venv when it is missing (pinned, torch first; PYTHON=... uses that interpreter instead)
 	@$(if $(PYTHON),true,bash scripts/setup.sh)
