@@ -25,13 +25,11 @@ def run_all(commands, timeout=120, envs=None):
 
 
 BAD = [
-    # --simulate-world (lessonkit/simulate.py): a rank outside the world, what needs data, a whole
-    # model no machine holds (05 builds it before sharding: 4 Psi = 618 GB here, in fp32)
+    # --simulate-world (lessonkit/simulate.py): a rank outside the world, what needs data (a whole
+    # model no machine holds: test_a_simulated_lesson_refuses_a_whole_model_the_machine_cannot_hold)
     (["--simulate-rank", "2"], "--simulate-rank needs --simulate-world N"),
     (["--simulate-world", "4", "--simulate-rank", "4"], "the rank 0 to N - 1"),
     (["--simulate-world", "4", "--trace", "t"], "a simulated world moves no data"),
-    (["--simulate-world", "64", "--n-layer", "48", "--d-model", "16384", "--n-head", "128"],
-     "lesson 05 builds the whole model before it shards it"),
     (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--global-batch", "7", "--grad-accum", "2"], "--global-batch 7 must be divisible by world size 1 x --grad-accum 2"),
@@ -101,7 +99,14 @@ BAD = [
 # stop in init_distributed), a tool, and lessons other than 01 (each pays ~1.5 s of `import torch`:
 # the rest run in this process, through the same parser and fail())
 END_TO_END = {"--precision": "01_vanilla_dp", "--global-batch": "01_vanilla_dp", "--device": "01_vanilla_dp",
-              "--collectives": "02_async_allreduce", "--inter-link": "08_hybrid", "--simulate-world": "05_zero2"}
+              "--collectives": "02_async_allreduce", "--inter-link": "08_hybrid"}
+
+
+def test_a_simulated_lesson_refuses_a_whole_model_the_machine_cannot_hold(monkeypatch, capsys):
+    from lessonkit import common  # 05 builds it before sharding: 4 Psi = 618 GB here, in fp32
+    parse = lambda argv: common.parse_args(argv, description="Lesson 05: ZeRO-2")  # noqa: E731
+    flags = ["--simulate-world", "64", "--n-layer", "48", "--d-model", "16384", "--n-head", "128"]
+    assert "lesson 05 builds the whole model before it shards it" in error_of(parse, flags, monkeypatch, capsys)
 
 
 def test_bad_flags_one_line_nonzero_exit():
