@@ -17,8 +17,8 @@ demo: setup      ## run every lesson at 2 ranks on CPU and print one comparison 
 	$(PY) -m scripts.learn.demo --nproc 2
 
 .PHONY: results
-results: setup   ## write docs/results.md's CPU table (make demo's) from runs of this checkout; TIERS=1 also times the test tiers; make gpu-check writes its GPU part
-	$(PY) -m scripts.learn.results $(if $(filter 1 yes true,$(TIERS)),--tiers)
+results: setup   ## write docs/results.md's CPU table (make demo's) from runs of this checkout; TIERS=1 also times the test tiers, GRADING=1 make grade; make gpu-check writes its GPU part
+	$(PY) -m scripts.learn.results $(if $(filter 1 yes true,$(TIERS)),--tiers) $(if $(filter 1 yes true,$(GRADING)),--grading)
 
 test: setup      ## the fast tier (CPU, gloo): every lesson at 1-3 ranks against one process and PyTorch; LESSON=05: that lesson's tests only
 	LESSON=$(LESSON) $(PY) -m pytest -q tests -m "not slow"

@@ -7,15 +7,14 @@ lessons' checkpoint (format_utils.dcp_to_torch_save; dcp.load into FSDP2), and r
 checkpoint that FSDP2 wrote into the ranges checkpoint.py loads, at any world size.
 
 A flat range [lo, hi) of a parameter is no rectangle of its shape; it is at most two partial rows
-and a block of whole rows, at each dimension (chunks): each one a chunk of DCP's metadata."""
+and a block of whole rows, at each dimension (chunks): each one a chunk of DCP's metadata.
+
+torch.distributed.checkpoint is imported where it is used: it takes a second, which a run that
+writes no checkpoint, every process of it, would pay at start."""
 import math
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from lessonkit import reshard
 from lessonkit.reshard import CheckpointError
@@ -42,28 +41,30 @@ def fqn(name, kind):
     return f"model.{name}" if kind in ("param", "master") else f"optim.state.{name}.{kind}"
 
 
-class _RangesPlanner(DefaultSavePlanner):
-    """DCP's default planner, given this rank's pieces instead of whole tensors."""
+def _ranges_planner(pieces):
+    """DCP's default planner, given this rank's pieces {(fqn, offsets): (tensor, full shape)}
+    instead of whole tensors."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    def __init__(self, pieces):
-        super().__init__()
-        self.pieces = pieces  # {(fqn, offsets): (tensor, full shape)}
+    class RangesPlanner(DefaultSavePlanner):
+        def create_local_plan(self):
+            items = [WriteItem(index=MetadataIndex(key, torch.Size(offsets)),
+                               type=WriteItemType.SHARD if size else WriteItemType.TENSOR,
+                               tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), t.shape),
+                                                           properties=TensorProperties.create_from_tensor(t),
+                                                           size=torch.Size(size)))
+                     for (key, offsets), (t, size) in pieces.items()]
+            mappings = {key: tuple(key.split(".", 1)) if key.startswith("model.") else
+                        ("optim", "state", key[len("optim.state."):].rsplit(".", 1)[0], key.rsplit(".", 1)[1])
+                        for key, _ in pieces}
+            self.plan = SavePlan(items, planner_data=mappings)
+            return self.plan
 
-    def create_local_plan(self):
-        items = [WriteItem(index=MetadataIndex(key, torch.Size(offsets)),
-                           type=WriteItemType.SHARD if size else WriteItemType.TENSOR,
-                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), t.shape),
-                                                       properties=TensorProperties.create_from_tensor(t),
-                                                       size=torch.Size(size)))
-                 for (key, offsets), (t, size) in self.pieces.items()]
-        mappings = {key: tuple(key.split(".", 1)) if key.startswith("model.") else
-                    ("optim", "state", key[len("optim.state."):].rsplit(".", 1)[0], key.rsplit(".", 1)[1])
-                    for key, _ in self.pieces}
-        self.plan = SavePlan(items, planner_data=mappings)
-        return self.plan
-
-    def resolve_data(self, write_item):
-        return self.pieces[write_item.index.fqn, tuple(write_item.index.offset)][0]
+        def resolve_data(self, write_item):
+            return pieces[write_item.index.fqn, tuple(write_item.index.offset)][0]
+    return RangesPlanner()
 
 
 def save(path, entries, shapes, aliases):
@@ -82,7 +83,8 @@ def save(path, entries, shapes, aliases):
                 at += n
             if e["step"] is not None:
                 pieces[f"optim.state.{name}.step", ()] = (e["step"].reshape(()), ())
-    dcp.save({}, checkpoint_id=path, planner=_RangesPlanner(pieces))
+    import torch.distributed.checkpoint as dcp
+    dcp.save({}, checkpoint_id=path, planner=_ranges_planner(pieces))
 
 
 def foreign(path):
@@ -96,6 +98,7 @@ def read(path, check=None):
     """A DCP checkpoint (FSDP2's get_state_dict through dcp.save, or the lessons') as checkpoint.read
     returns one: (meta, {(name, kind): [(lo, hi, data)]}, {name: step}), its step the optimizer's
     count, its model's shape the only thing `check`able. Every rank reads it whole."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     sd = {}

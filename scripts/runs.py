@@ -104,8 +104,10 @@ def launch(script, nproc, args=(), echo=False, report=True, threads=1, env=None)
     environment; return its report (a dict) or raise LaunchFailed with the run's output."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "report.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--standalone", *(["-m", script] if "." in script else [os.path.join(ROOT, f"{script}.py")]),
+        # one rank runs as `python 01_vanilla_dp.py` does: torchrun's agent, another interpreter
+        # importing torch, would add seconds a launch and nothing else
+        runner = [] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
+        cmd = [sys.executable, *runner, *(["-m", script] if "." in script else [os.path.join(ROOT, f"{script}.py")]),
                "--device", "cpu", *map(str, args), *grid_args(script, nproc, args)]
         if report:
             cmd += ["--report", path]

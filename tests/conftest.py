@@ -14,6 +14,14 @@ import forkserver  # noqa: E402  (after sys.path, which the server takes; before
 forkserver.start()
 
 
+def pytest_collection_finish(session):
+    # The first optimizer step of a process imports torch._dynamo (torch.optim does), a second or
+    # two: here that is the first single-process reference's. Import it now, while the forkserver
+    # is still importing on the other core, not later, in a test, while ranks wait.
+    if session.items:
+        import torch._dynamo  # noqa: F401
+
+
 def pytest_configure(config):
     # torch's own: importing torch.distributed.optim (ZeroRedundancyOptimizer, the tests' reference)
     # scripts its functional optimizers, and torch 2.13 deprecates torch.jit.script. Not ours to fix.

@@ -60,7 +60,7 @@ from lessonkit.loss_scale import LossScaler  # noqa: E402
 from stream_semantics import StreamSemantics, first_difference  # noqa: E402
 from fuzz_models import block_slot, global_batch, make_model, micro_batches, routing_slots  # noqa: E402
 import harness  # noqa: E402
-from lessons import MUON, FSDP2_REDUCES_UNUSED, Scaled, adamw, build, evaluate, handles, replicated_optimizer  # noqa: E402
+from lessons import MUON, Scaled, adamw, build, evaluate, fsdp2_reduces_unused, handles, replicated_optimizer  # noqa: E402
 from scripts.learn.muon_gaps import fp32_newton_schulz  # noqa: E402
 from tolerances import (FUZZ_BF16_ADAM_EPS, FUZZ_BF16_FLOOR_ULPS, FUZZ_BF16_LOSS_ATOL,  # noqa: E402
                         FUZZ_BF16_PYTORCH_SPREAD, FUZZ_BF16_UPDATE_RTOL, FUZZ_FP16_ADAM_EPS,
@@ -366,7 +366,7 @@ def runs_of(case, lessons=LESSONS):
     lessons = [x for x in lessons if x == "09" or case["optimizer"] != "muon"]
     names = [counterpart(x, case) for x in lessons if counterpart(x, case)] + list(lessons)
     return [x for x in dict.fromkeys(names) if (x != "fsdp2" or fsdp2_can_run(case))
-            and (x not in FSDP2 or FSDP2_REDUCES_UNUSED or used_alike(case))]
+            and (x not in FSDP2 or fsdp2_reduces_unused() or used_alike(case))]
 
 
 # ----------------------------------------------------------------------------- in a spawned rank

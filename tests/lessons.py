@@ -13,7 +13,6 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from lessonkit import checkpoint, optimizers
 from graded import load_lesson
@@ -119,6 +118,7 @@ def evaluate(trainer, x, y):
     model = trainer.wrapper if hasattr(trainer, "wrapper") else trainer.model
     with torch.no_grad():
         loss = model(x, y)
+    from torch.distributed.fsdp import FSDPModule  # (imported where used: a second and a half, in every grading)
     if isinstance(model, FSDPModule):  # FSDP2 without resharding keeps what forward gathered
         model.reshard()
     return loss
@@ -189,6 +189,7 @@ def build(lesson, module, grad_clip=0.0, lr=1e-2, bucket_mb=25.0, weight_decay=0
     if lesson in ("06", "07", "08"):  # as FSDP2: the caller's optimizer over the shards, clipping by the model
         strategy, extra = load_lesson("06_zero3").ZeRO3, {}  # (06 first: 07 and 08 import it)
         if lesson == "07":
+            from torch.distributed.fsdp import CPUOffloadPolicy
             strategy, extra = load_lesson("07_offload").ZeRO3Offload, {"offload_policy": CPUOffloadPolicy(False),
                                                                        "layout": kw.get("layout", "even")}
         if lesson == "08":  # the R x G grid's two process groups (defaults: none, as HybridShard(module))
@@ -324,7 +325,10 @@ def _every(kw):
 # whether this torch's FSDP2 can reduce-scatter zeros for a parameter a rank's backward did not
 # reach (set_reduce_scatter_unused_params: torch 2.13 can, 2.11 cannot); where it cannot, it runs
 # only what every rank uses alike (tests/fuzz.py, runs_of)
-FSDP2_REDUCES_UNUSED = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+@functools.cache
+def fsdp2_reduces_unused():
+    from torch.distributed.fsdp import FSDPModule
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 
 
 def _fsdp2_options(module, kw):
@@ -333,7 +337,7 @@ def _fsdp2_options(module, kw):
     so a unit's reduce-scatter matches on every rank. Unlike DDP's, a parameter no rank reached
     then gets a zero gradient, not None (AdamW moves it): a caller wanting DDP's semantics drops
     those (tests/fuzz.py does). The optimizer: optimizer_class/optimizer_kwargs, AdamW at lr."""
-    if kw.get("find_unused", False) and FSDP2_REDUCES_UNUSED:
+    if kw.get("find_unused", False) and fsdp2_reduces_unused():
         module.set_reduce_scatter_unused_params(True)
     return kw.get("optimizer_class", torch.optim.AdamW), kw.get("optimizer_kwargs")
 
@@ -343,7 +347,7 @@ def _fsdp2(module, grad_clip, lr, wd, scaler, offload=False, hsdp=False, **kw):
     (offload: with CPUOffloadPolicy, unpinned: no GPU here; hsdp: a 2-D R x G mesh, kw
     shard_group = G, FSDP2's HSDP: replicate over its first dimension, shard over its second)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     world, g = dist.get_world_size(), kw.get("shard_group") or dist.get_world_size()
     mesh = (init_device_mesh("cpu", (world // g, g), mesh_dim_names=("replicate", "shard")) if hsdp
             else init_device_mesh("cpu", (world,)))

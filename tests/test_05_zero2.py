@@ -111,7 +111,7 @@ def suite(world):
                                     bucket_mb=TOY_CAP),
         "toy_sgd": toy_train(build, "05", bucket_mb=TOY_CAP, **SGD),
     }
-    if world > 1:
+    if world == 4:  # (its per-operation sampling over 50 buckets takes 15 s; at 2 ranks, DEFAULT_MANY's 22)
         out["deep"] = run_lesson(LESSON, DEEP + PEAKS)
     if world == 2:
         out["default"] = recorded(DEFAULT + PEAKS)
@@ -172,7 +172,7 @@ def peak_grads(report):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_gradient_bytes_during_backward_are_my_slices_plus_the_buckets_in_flight(world):
     runs = [("main", ARGV), ("accum_clip", ACCUM_CLIP), ("bf16", BF16)]
-    runs += [("deep", DEEP)] if world > 1 else []
+    runs += [("deep", DEEP)] if world == 4 else []
     runs += [("default", DEFAULT), ("default_many", DEFAULT_MANY)] if world == 2 else []
     for key, argv in runs:
         report, bound = results(world)[0][key]["report"], gradient_bound(argv, world)
@@ -184,13 +184,13 @@ def test_gradient_bytes_during_backward_are_my_slices_plus_the_buckets_in_flight
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_model_many_buckets_long_never_holds_its_whole_gradient(world):
-    # bf16, 50 buckets: even the bound is well below the whole gradient (ZeRO-1's 2 Psi)
-    report = results(world)[0]["deep"]["report"]
-    whole = 2 * report["n_params"]
-    assert max(peak_grads(report)) <= gradient_bound(DEEP, world) < 0.8 * whole
-    with contextlib.redirect_stdout(io.StringIO()) as printed:  # and the summary says in which precision
-        print_summary(report)
-    assert f"| the whole gradient {whole / MIB:.2f} (bf16)\n" in printed.getvalue(), printed.getvalue()
+    if world == 4:  # bf16, 50 buckets: even the bound is well below the whole gradient (ZeRO-1's 2 Psi)
+        report = results(world)[0]["deep"]["report"]
+        whole = 2 * report["n_params"]
+        assert max(peak_grads(report)) <= gradient_bound(DEEP, world) < 0.8 * whole
+        with contextlib.redirect_stdout(io.StringIO()) as printed:  # and the summary says in which precision
+            print_summary(report)
+        assert f"| the whole gradient {whole / MIB:.2f} (bf16)\n" in printed.getvalue(), printed.getvalue()
     if world == 2:  # the default GPT at --bucket-mb 0.25 (22 buckets), fp32: my slices are half of it
         report = results(2)[0]["default_many"]["report"]
         assert max(peak_grads(report)) <= gradient_bound(DEFAULT_MANY, 2) < 4 * report["n_params"]

@@ -10,7 +10,7 @@ from lessonkit import common
 import harness
 from graded import load_lesson
 from harness import PEAKS, all_close, gpt_train, held, launches, reference, run_lesson, sent_bytes, theory_bytes
-from lessons import FSDP2_REDUCES_UNUSED, build, zero3_full_parameters
+from lessons import build, fsdp2_reduces_unused, zero3_full_parameters
 from model import GPT
 from routing import EXPERTS, block_slots, routed_reference, routed_train, used_by_rank
 from stream_semantics import StreamSemantics
@@ -272,7 +272,7 @@ EVERY_UNIT_RUNS = dict(grad_accum=2, model_kw=dict(route_blocks=False))  # as FS
 
 def routed_suite(world):
     out = {"06_as_fsdp2": routed_train(build, "06", find_unused=False, **EVERY_UNIT_RUNS)}
-    if FSDP2_REDUCES_UNUSED:  # (torch 2.11's FSDP2 cannot run it: test_routed_experts_inside_units_match_fsdp2)
+    if fsdp2_reduces_unused():  # (torch 2.11's FSDP2 cannot run it: test_routed_experts_inside_units_match_fsdp2)
         out["fsdp2"] = routed_train(build, "fsdp2", find_unused=True, **EVERY_UNIT_RUNS)
     with StreamSemantics():  # NCCL's rules: an output is NaN until wait(), inputs untouched until then
         log = record_collectives()
@@ -313,7 +313,7 @@ def test_routed_units_and_experts_match_single_process(world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_routed_experts_inside_units_match_fsdp2(world):
-    assert FSDP2_REDUCES_UNUSED, (f"torch {torch.__version__}'s FSDP2 has no set_reduce_scatter_unused_params "
+    assert fsdp2_reduces_unused(), (f"torch {torch.__version__}'s FSDP2 has no set_reduce_scatter_unused_params "
                                   "(2.13 has): it cannot run experts some ranks skip, so there is no reference")
     want = routed_reference(world, 2, model_kw=EVERY_UNIT_RUNS["model_kw"], find_unused=False)
     all_close(want, routed_results(world), ("fsdp2", "06_as_fsdp2"), TOL)

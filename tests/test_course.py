@@ -67,17 +67,6 @@ def _points_skipping(folder, worlds):
     return path
 
 
-def _points_hidden(folder):
-    """tests/points.toml's lessons with their hidden group only, each worth its hidden weight."""
-    lessons = grade.load_points(grade.POINTS)[1]
-    text = "".join(f'[lessons.{name}]\npoints = {spec["hidden"]["weight"]}\n'
-                   f'hidden = {{weight = 1, tests = {json.dumps(spec["hidden"]["tests"])}}}\n'
-                   for name, spec in lessons.items())
-    path = folder / "hidden.toml"
-    path.write_text(text)
-    return path
-
-
 def _read(out):
     with open(os.path.join(out, "grades.csv"), newline="") as f:
         rows = {r["student"]: r for r in csv.DictReader(f)}
@@ -193,6 +182,12 @@ def graded_runs(editions, tmp_path_factory):
     (solved / "solutions").mkdir()
     for name in GRADED:
         shutil.copy(os.path.join(ROOT, f"{name}.py"), solved / "solutions")
+    # the solutions but one line: 05 keeps every full-size bucket (it trains as it should)
+    shutil.copytree(solved / "solutions", solved / "keeps_buckets")
+    kept = solved / "keeps_buckets" / "05_zero2.py"
+    text, n = re.subn(r"(?m)^(\s+)bucket\.buffer = None\b.*$", r"\1pass", kept.read_text())
+    assert n == 1, "05_zero2.py: one line frees the bucket"
+    kept.write_text(text)
     with zipfile.ZipFile(full / "untouched.zip", "w") as z:  # an archive, one folder down
         for name in GRADED:
             z.write(os.path.join(editions["guided"], f"{name}.py"), f"student/{name}.py")
@@ -232,11 +227,10 @@ def graded_runs(editions, tmp_path_factory):
              # load of other processes besides (6 s alone; the class's hanging submission then printed
              # in a busy loop, a core's worth, and now sleeps). The limits are the class's test, below.
              "full": _grade_class(full, full / "out", "--points", str(_points_skipping(full, [2, 4])),
-                                  "--test-timeout", "300"),
-             # the solutions' visible tests are this suite's own: what is theirs here is the
-             # grader's sandbox with every region filled in, and full marks on the hidden tests
-             "solved": _grade_class(solved, solved / "out", "--points", str(_points_hidden(solved)),
-                                    "--test-timeout", "300"),
+                                  "--test-timeout", "300", "--visible"),
+             # as make grade-class grades, the hidden tests: the solutions' visible tests are this
+             # suite's own, and what is theirs here is the grader's sandbox with every region filled in
+             "solved": _grade_class(solved, solved / "out", "--test-timeout", "300"),
              # two at a time: the hanging submission waits out its limit beside the other three
              "class": _grade_class(klass, klass / "out", "--lessons", "01", "--jobs", "2",
                                    "--test-timeout", str(TEST_LIMIT), "--timeout", str(RUN_LIMIT))}
@@ -261,13 +255,18 @@ def test_an_untouched_edition_scores_zero_failing_every_graded_test_at_its_regio
     assert untouched["status"] == "ok" and untouched["max"] == f"{sum(report['points'].values()):g}"
 
 
-def test_the_solutions_score_full_marks_on_the_hidden_tests(graded_runs):
+def test_the_solutions_score_full_marks_on_the_hidden_tests_and_a_bucket_kept_costs_05_only(graded_runs):
     (rows, report), output = graded_runs["solved"]
-    solutions = rows["solutions"]
+    solutions, kept = rows["solutions"], rows["keeps_buckets"]
     for lesson in LESSON_NAMES:
         assert float(solutions[lesson]) == report["points"][lesson] > 0, (lesson, output)
+        assert set(report["students"]["solutions"]["lessons"][lesson]["groups"]) == {"hidden"}, (lesson, output)
         assert report["students"]["solutions"]["lessons"][lesson]["groups"]["hidden"][1] > 0, (lesson, output)
+        # (05: 5 of its 6 hidden tests pass)
+        assert float(kept[lesson]) == (float(solutions[lesson]) if lesson != "05_zero2" else round(20 * 5 / 6, 2)), lesson
     assert solutions["total"] == solutions["max"] and solutions["status"] == "ok", output
+    failing = report["students"]["keeps_buckets"]["lessons"]["05_zero2"]["failing"]
+    assert list(failing) == ["tests/hidden/test_hidden_05.py::test_at_rest_my_gradient_slices_and_no_bucket_left_over"]
 
 
 def test_a_class_with_a_hang_a_crash_and_edited_tests_each_costs_its_own_row(graded_runs):
@@ -305,8 +304,12 @@ def test_points_split_over_weighted_groups_with_partial_credit():
     assert row["earned"] == 6 * 3 / 4 + 4 * 1 / 2  # heavy weighs 3 of 4; hidden: 1 of 2
     assert row["failing"] == {"tests/a.py::light": "boom", "tests/hidden/b.py::y": "bang"}
     assert grade.score(results, "l", dict(spec, partial=False))["earned"] == 0
-    visible_only = grade.score(results, "l", spec, kinds=("visible",))  # inside an edition
-    assert (visible_only["points"], visible_only["earned"]) == (6, 4.5)
+    # one group counted (the hidden tests, make grade's; or the visible ones, inside an edition):
+    # it earns all of the lesson's points
+    hidden_only = grade.score(results, "l", spec, kinds=("hidden",))
+    assert (hidden_only["points"], hidden_only["earned"]) == (10, 5)
+    visible_only = grade.score(results, "l", spec, kinds=("visible",))
+    assert (visible_only["points"], visible_only["earned"]) == (10, 7.5)
 
 
 def test_each_failing_test_is_recorded_with_the_line_that_says_why(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
     python -m scripts.course.grade student/                  # or: make grade EDITION=student
     python -m scripts.course.grade                           # this checkout (inside an edition: itself)
     python -m scripts.course.grade student/ --lessons 01 03  # some lessons only
+    python -m scripts.course.grade student/ --visible        # the visible tests counted too (minutes)
     python -m scripts.course.grade_class submissions/        # a whole class: grades.csv, grades.json
 
 Only the graded files (the lessons and bucket.py, the files with solution regions) are taken from
@@ -11,8 +12,10 @@ and hidden tests (tests/hidden/), and one pytest process runs every graded test 
 scripts/course/plugin.py: each test has a time limit, the run as a whole another, and results
 are recorded as tests end. So a student's edited tests or support modules change nothing, and a
 lesson that hangs costs that lesson's tests only. tests/points.toml says which tests grade which
-lesson (visible ones, shipped in the edition, and hidden ones), their weights, and the 4-rank
-launches the grader skips (it runs 1, 2 and, hidden, 3 ranks; grades.csv's seconds column says how long each took).
+lesson (visible ones, shipped in the edition, and hidden ones), their weights, and which groups
+count: the hidden ones (one launch of 3 ranks per lesson: seconds a submission), or with
+--visible the visible ones too (each lesson at 1 and 2 ranks: minutes). The counted groups share
+a lesson's points by their weights.
 
 A lesson that `uses` a graded file it does not own (05: bucket.py, 03's) and loses points while
 that file fails its own tests is graded again with this checkout's copy of it, and the table says
@@ -38,6 +41,8 @@ from scripts.runs import ROOT, Parser, at_least
 POINTS = os.path.join(ROOT, "tests", "points.toml")
 INSIDE_EDITION = os.path.exists(os.path.join(ROOT, se.STAMP))  # this checkout is a student edition
 KINDS = ("visible", "hidden")
+VISIBLE_HELP = ("count the visible tests too, beside points.toml's groups (each lesson at 1 and 2 ranks: "
+                "minutes a submission, not seconds)")
 
 
 # ----------------------------------------------------------------------------- points.toml
@@ -65,13 +70,18 @@ def load_points(path, only=None):
         spec.setdefault("partial", cfg.get("partial_credit", True))
         if not isinstance(spec.setdefault("uses", {}), dict):
             raise SystemExit(f"error: {path}: lessons.{name}.uses must be a table, e.g. {{bucket = \"tests/test_bucket.py\"}}")
+        for f, tests in spec["uses"].items():  # a file's tests, of either group: the counted ones decide
+            spec["uses"][f] = [tests] if isinstance(tests, str) else list(tests)
     if only:
         unknown = [o for o in only if not any(n.startswith(o) for n in lessons)]
         if unknown:
             raise SystemExit(f"error: no lesson {', '.join(unknown)} in {path} (it has {', '.join(lessons)})")
         lessons = {n: s for n, s in lessons.items() if any(n.startswith(o) for o in only)}
+    counted = cfg.get("groups", list(KINDS))
+    if not isinstance(counted, list) or not counted or not set(counted) <= set(KINDS):
+        raise SystemExit(f"error: {path}: groups must name some of {', '.join(KINDS)}, e.g. groups = [\"hidden\"]")
     settings = {"skip_worlds": cfg.get("skip_worlds", []), "test_timeout": cfg.get("test_timeout", 120),
-                "timeout": cfg.get("timeout", 600)}
+                "timeout": cfg.get("timeout", 600), "groups": tuple(k for k in KINDS if k in counted)}
     return settings, lessons
 
 
@@ -79,11 +89,23 @@ def groups(spec):
     return [(kind, spec[kind]) for kind in KINDS if kind in spec]
 
 
+def kind_of(test):
+    """The group a test spec belongs to: the hidden tests live in tests/hidden/."""
+    return "hidden" if test.startswith("tests/hidden/") else "visible"
+
+
+def uses_tests(spec, f, kinds=KINDS):
+    """The tests of the file `f` a lesson uses, in the groups counted."""
+    return [t for t in spec["uses"][f] if kind_of(t) in kinds]
+
+
 def test_specs(lessons, kinds=KINDS):
-    """Every test file or node id the lessons name (their `uses` too), once, in order."""
+    """Every test file or node id the lessons name in the groups of `kinds` (their `uses` too),
+    once, in order."""
     out = []
     for spec in lessons.values():
-        out += [t for kind, g in groups(spec) if kind in kinds for t in g["tests"]] + list(spec["uses"].values())
+        out += [t for kind, g in groups(spec) if kind in kinds for t in g["tests"]]
+        out += [t for f in spec["uses"] for t in uses_tests(spec, f, kinds)]
     return list(dict.fromkeys(out))
 
 
@@ -150,7 +172,8 @@ def run_tests(where, tests, test_timeout, timeout, skip_worlds=(), verbose=False
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONDONTWRITEBYTECODE="1",
                DP_GRADE_RESULTS=results_path, DP_GRADE_TEST_TIMEOUT=str(test_timeout),
                DP_GRADE_SKIP_WORLDS=",".join(map(str, skip_worlds)))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "scripts.course.plugin",
+    # (no hypothesis plugin: the graded tests draw nothing, and it takes 2 s of a grading's 20 to import)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "scripts.course.plugin",
            "--tb=native", "--continue-on-collection-errors", "-o", "addopts=", *tests]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=where, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -192,11 +215,10 @@ def of(results, tests):
 # ----------------------------------------------------------------------------- points
 def score(results, name, spec, kinds=KINDS):
     """{lesson, earned, points, passed, total, failing {test: reason}, groups {kind: (passed, total)}}
-    for one lesson from `results`, counting the groups of `kinds` (points scaled to them)."""
+    for one lesson from `results`, counting the groups of `kinds`, which share its points by weight."""
     counted = [(k, g) for k, g in groups(spec) if k in kinds]
-    weight_all = sum(g["weight"] for _, g in groups(spec)) or 1
     weight = sum(g["weight"] for _, g in counted)
-    points = spec["points"] * weight / weight_all
+    points = spec["points"] if counted else 0.0
     earned, passed, total, failing, per_group = 0.0, 0, 0, {}, {}
     for kind, g in counted:
         mine = of(results, g["tests"])
@@ -226,16 +248,19 @@ def _weight(group, test):
 
 
 def grade_submission(submission, lessons, settings, checkout=ROOT, work=None, verbose=False,
-                     test_timeout=None, timeout=None):
-    """Grade one edition: {"rows": [score...], "status", "seconds", "notes": [...], "tail"}."""
+                     test_timeout=None, timeout=None, kinds=None):
+    """Grade one edition: {"rows": [score...], "status", "seconds", "notes": [...], "tail"}.
+    `kinds`: the groups counted (default: points.toml's `groups`)."""
     test_timeout = settings["test_timeout"] if test_timeout is None else test_timeout
     timeout = settings["timeout"] if timeout is None else timeout
     inside = os.path.realpath(checkout) == os.path.realpath(submission) and INSIDE_EDITION
     named = {k: [t for s in lessons.values() for t in s.get(k, {}).get("tests", [])] for k in KINDS}
-    kinds = tuple(k for k in KINDS if not named[k] or any(present(t, checkout) for t in named[k]))
+    here = tuple(k for k in KINDS if named[k] and any(present(t, checkout) for t in named[k]))
     notes = []
-    if "hidden" not in kinds:
-        notes.append("no hidden tests here (a student edition): visible tests only, points scaled to them")
+    kinds = tuple(k for k in (kinds or settings["groups"]) if k in here) or here  # (what it names, if none)
+    if named["hidden"] and "hidden" not in here:  # a student edition: the visible tests are all it has
+        kinds = tuple(k for k in here if k == "visible")
+        notes.append("no hidden tests here (a student edition): the visible tests share each lesson's points")
     specs = [t for t in test_specs(lessons, kinds) if present(t, checkout)]
     own = tempfile.TemporaryDirectory(prefix="grade-") if work is None else None
     work = own.name if own else work
@@ -246,13 +271,12 @@ def grade_submission(submission, lessons, settings, checkout=ROOT, work=None, ve
                                                    settings["skip_worlds"], verbose)
         rows = [score(results, name, spec, kinds) for name, spec in lessons.items()]
         for i, (name, spec) in enumerate(lessons.items()):
-            broken = [f for f, tests in spec["uses"].items()
-                      if not all(ok for ok, _ in of(results, [tests]).values())]
+            broken = [f for f in spec["uses"] if not all(ok for ok, _ in of(results, uses_tests(spec, f, kinds)).values())]
             if not broken or rows[i]["earned"] >= rows[i]["points"]:
                 continue
             if inside:
                 notes.append(f"{name}: not regraded: this edition's {', '.join(f + '.py' for f in broken)} fails "
-                             f"{', '.join(spec['uses'][f] for f in broken)} and an edition has no other copy")
+                             f"{failed_uses(spec, broken, kinds)} and an edition has no other copy")
                 continue
             again_dir = os.path.join(work, f"regrade_{name}")
             sandbox(submission, again_dir, checkout, reference=broken)
@@ -264,12 +288,17 @@ def grade_submission(submission, lessons, settings, checkout=ROOT, work=None, ve
             if row["earned"] > rows[i]["earned"]:
                 rows[i] = row
                 notes.append(f"{name}: graded with the reference {', '.join(f + '.py' for f in broken)} "
-                             f"(the edition's fails {', '.join(spec['uses'][f] for f in broken)})")
+                             f"(the edition's fails {failed_uses(spec, broken, kinds)})")
     finally:
         if own:
             own.cleanup()
     return {"rows": rows, "status": status, "seconds": round(seconds, 1), "notes": notes, "tail": tail,
             "tests": len(results)}
+
+
+def failed_uses(spec, files, kinds):
+    """The test files of `files` a lesson uses, in the groups counted, for a note."""
+    return ", ".join(dict.fromkeys(t.split("::")[0] for f in files for t in uses_tests(spec, f, kinds)))
 
 
 # ----------------------------------------------------------------------------- the table
@@ -304,6 +333,7 @@ def main(argv=None):
     p.add_argument("--lessons", nargs="+", help="grade these lessons only, e.g. 01 03_buckets")
     p.add_argument("--test-timeout", type=at_least(1, float), help="seconds per test (default: points.toml's)")
     p.add_argument("--timeout", type=at_least(1, float), help="seconds for the whole grading run (default: points.toml's)")
+    p.add_argument("--visible", action="store_true", help=VISIBLE_HELP)
     p.add_argument("-v", "--verbose", action="store_true", help="show pytest's own output as it runs")
     a = p.parse_args(argv)
     edition = os.path.abspath(a.edition)
@@ -316,8 +346,8 @@ def main(argv=None):
         return 2
     if os.path.realpath(edition) == os.path.realpath(ROOT) and INSIDE_EDITION:
         print(f"grading this student edition ({edition}) against its own tests and support files")
-    out = grade_submission(edition, lessons, settings, verbose=a.verbose,
-                           test_timeout=a.test_timeout, timeout=a.timeout)
+    out = grade_submission(edition, lessons, settings, verbose=a.verbose, test_timeout=a.test_timeout,
+                           timeout=a.timeout, kinds=KINDS if a.visible else None)
     rows = out["rows"]
     if not out["tests"]:
         print(f"error: no test ran ({out['status']}):\n{out['tail']}", file=sys.stderr)

@@ -3,6 +3,7 @@
     python -m scripts.course.grade_class submissions/              # or: make grade-class SUBMISSIONS=submissions
     python -m scripts.course.grade_class submissions/ --jobs 1 --out runs/grades
     python -m scripts.course.grade_class submissions/ --lessons 01 03 --test-timeout 60
+    python -m scripts.course.grade_class submissions/ --visible    # the visible tests counted too
 
 A submission is one entry of the folder, named for its student: a directory, a .zip or a
 .tar.gz/.tgz holding an edition (its lessons at its top, or one folder down). Each is graded as
@@ -81,7 +82,7 @@ def unpack(path, dest):
     raise ValueError(f"no graded file ({', '.join(sorted(graded))}) in it")
 
 
-def grade_one(student, path, lessons, settings, test_timeout, timeout):
+def grade_one(student, path, lessons, settings, test_timeout, timeout, kinds=None):
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"grade-{student[:40]}-") as work:
         try:
@@ -90,7 +91,7 @@ def grade_one(student, path, lessons, settings, test_timeout, timeout):
             return {"student": student, "status": f"not graded: {e}", "seconds": 0.0, "notes": [],
                     "rows": [grade.score({}, n, s) for n, s in lessons.items()]}
         out = grade.grade_submission(edition, lessons, settings, work=work,
-                                     test_timeout=test_timeout, timeout=timeout)
+                                     test_timeout=test_timeout, timeout=timeout, kinds=kinds)
     out.update(student=student, seconds=round(time.monotonic() - t0, 1))
     return out
 
@@ -125,6 +126,7 @@ def main(argv=None):
                    help="submissions at once (default: the CPUs this process may use)")
     p.add_argument("--test-timeout", type=at_least(1, float), help="seconds per test (default: points.toml's)")
     p.add_argument("--timeout", type=at_least(1, float), help="seconds per submission (default: points.toml's)")
+    p.add_argument("--visible", action="store_true", help=grade.VISIBLE_HELP)
     a = p.parse_args(argv)
     if not os.path.isdir(a.folder):
         print(f"error: {a.folder} is not a directory", file=sys.stderr)
@@ -138,7 +140,8 @@ def main(argv=None):
     print(f"grading {len(found)} submissions from {a.folder}, {a.jobs} at a time (tests from {ROOT})")
     t0, results = time.monotonic(), []
     with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as pool:
-        futures = [pool.submit(grade_one, s, path, lessons, settings, a.test_timeout, a.timeout)
+        futures = [pool.submit(grade_one, s, path, lessons, settings, a.test_timeout, a.timeout,
+                               grade.KINDS if a.visible else None)
                    for s, path in found.items()]
         for future in concurrent.futures.as_completed(futures):
             r = future.result()

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import sys
 import traceback
 
 import pytest
@@ -111,6 +112,21 @@ def pytest_make_collect_report(collector):
             yield
     else:
         yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._grade_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    # Every result is written (as its test ended) and pytest's summary printed: leave now. Tearing
+    # down an interpreter that imported torch (its modules, the forkserver's pipes) takes 2 s, a
+    # tenth of a grading.
+    if RESULTS and hasattr(config, "_grade_status"):
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(config._grade_status)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,7 @@
     make results        # every lesson at 2 ranks on CPU (make demo's table), written with one
                         # header line: the machine, torch and the commit it ran
     make results TIERS=1   # also time the test tiers (make test, make test LESSON=05, make test-all)
+    make results GRADING=1 # also time make grade on this checkout (the solutions), as it counts and with --visible
 
 The GPU section is `make gpu-check`'s (scripts/perf/gpu_check.py writes it where a GPU ran it);
 each section is replaced whole by the target that measures it, the others kept as they are.
@@ -70,9 +71,27 @@ def tiers():
                       *rows])
 
 
+def grading():
+    """make grade's wall time on this checkout (every region filled in: full marks), counting
+    points.toml's groups, then with --visible."""
+    rows = []
+    for flags in ([], ["--visible"]):
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "scripts.course.grade", *flags], cwd=ROOT,
+                              env=tier_env({}), capture_output=True, text=True)
+        total = next((line for line in proc.stdout.splitlines() if line.startswith("total")), "(no total)")
+        rows.append(f"| `make grade{' ' + flags[0] if flags else ''}` | {time.monotonic() - t0:.0f} s | "
+                    f"{' '.join(total.split()[1:])} |")
+    return "\n".join(["## Grading", "", f"Machine: {machine()}. `make results GRADING=1`: one submission (this "
+                      "checkout, every region filled in), graded as `make grade` counts (the hidden tests) and "
+                      "with `--visible`, on an otherwise idle machine.", "", "| command | wall | tests, points |",
+                      "|---|---:|---|", *rows])
+
+
 def main():
     p = Parser("results", description=__doc__)
     p.add_argument("--tiers", action="store_true", help="also time the test tiers")
+    p.add_argument("--grading", action="store_true", help="also time make grade")
     a = p.parse_args()
     nproc, precision, steps = 2, "fp32", 40
     rows = demo.collect(nproc, precision, steps, echo=True)
@@ -83,6 +102,8 @@ def main():
         "```", *demo.table(rows), "```"]))
     if a.tiers:
         write_section("tiers", tiers())
+    if a.grading:
+        write_section("grading", grading())
     print(f"wrote {os.path.relpath(PATH, ROOT)}")
 
 

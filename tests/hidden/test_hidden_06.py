@@ -3,12 +3,13 @@ gradient's scale through SGD, and prefetch off."""
 import functools
 
 import harness
-from hidden_suite import check_gpt, check_grads, check_toy, close, launch
+from hidden_suite import at_rest, check_at_rest, check_gpt, check_grads, check_toy, close, launch
 from lessons import build
 from toy import toy_reference, toy_train
 
 EXTRA = {"no_prefetch": functools.partial(toy_train, build, "06", prefetch=False, grad_accum=2,
-                                          different_init=True)}
+                                          different_init=True),
+         "at_rest": functools.partial(at_rest, "06_zero3")}
 
 
 @harness.once
@@ -32,3 +33,7 @@ def test_without_prefetch():
     ref = toy_reference()
     for rank_out in results():
         close(rank_out["no_prefetch"], ref)
+
+
+def test_at_rest_my_shards_and_no_unit_left_gathered():
+    check_at_rest(results())

@@ -1,7 +1,6 @@
 """Hidden tests of 07_offload: 3 ranks, odd shapes (every unit padded), accumulation, the
 gradient's scale through SGD, and clipping over the host's gradient shards with every unit's
 copies counted: one shard up and one gradient shard down per unit and micro-step."""
-import functools
 
 import harness
 from hidden_suite import check_gpt, check_grads, check_toy, close, launch

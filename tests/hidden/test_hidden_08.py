@@ -4,13 +4,14 @@ G = 1 (three replicas of one shard each: every gradient all-reduced across the r
 import functools
 
 import harness
-from hidden_suite import ODD_GPT, SGD, check_gpt, check_grads, check_toy, launch
+from hidden_suite import ODD_GPT, SCALE_STEPS, SGD, check_gpt, check_grads, check_toy, launch
 from lessons import build
 from toy import toy_train
 
 REPLICAS = dict(grad_accum=2, different_init=True, shard_group=1)
 EXTRA = {"toy_g1": functools.partial(toy_train, build, "08", **REPLICAS),
-         "toy_sgd_g1": functools.partial(toy_train, build, "08", grad_accum=4, different_init=True, shard_group=1, **SGD),
+         "toy_sgd_g1": functools.partial(toy_train, build, "08", steps=SCALE_STEPS, grad_accum=4, different_init=True,
+                                       shard_group=1, **SGD),
          "gpt_g1": functools.partial(harness.gpt_train, "08", ODD_GPT + ["--grad-accum", "2"], shard_group=1)}
 
 
