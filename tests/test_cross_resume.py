@@ -155,6 +155,8 @@ def test_a_seeded_slice_of_writers_and_readers_resumes_at_another_world_size(roo
 
 @pytest.mark.slow
 def test_every_lesson_resumes_every_lessons_checkpoint_at_world_3(root):
-    triples = [(w, r, p) for p in PRECISIONS for w in LESSONS for r in LESSONS]
+    # fp32 and bf16: fp16's states are fp32's one kind (the test above), and the seeded slice
+    # draws fp16 pairs at worlds 1 and 4
+    triples = [(w, r, p) for p in ("fp32", "bf16") for w in LESSONS for r in LESSONS]
     for rank_results in launch(root, 3, triples):
         check(root, rank_results)

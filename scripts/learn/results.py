@@ -11,8 +11,10 @@ each section is replaced whole by the target that measures it, the others kept a
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -71,9 +73,11 @@ def tiers():
                       *rows])
 
 
-def grading():
+def grading(students=4):
     """make grade's wall time on this checkout (every region filled in: full marks), counting
-    points.toml's groups, then with --visible."""
+    points.toml's groups, then with --visible; make grade-class's per submission, a class of
+    `students` copies of this checkout's graded files."""
+    from scripts.course.grade import graded_files
     rows = []
     for flags in ([], ["--visible"]):
         t0 = time.monotonic()
@@ -82,9 +86,19 @@ def grading():
         total = next((line for line in proc.stdout.splitlines() if line.startswith("total")), "(no total)")
         rows.append(f"| `make grade{' ' + flags[0] if flags else ''}` | {time.monotonic() - t0:.0f} s | "
                     f"{' '.join(total.split()[1:])} |")
-    return "\n".join(["## Grading", "", f"Machine: {machine()}. `make results GRADING=1`: one submission (this "
-                      "checkout, every region filled in), graded as `make grade` counts (the hidden tests) and "
-                      "with `--visible`, on an otherwise idle machine.", "", "| command | wall | tests, points |",
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(students):
+            os.makedirs(os.path.join(tmp, "class", f"student{i}"))
+            for name in graded_files():
+                shutil.copy(os.path.join(ROOT, name), os.path.join(tmp, "class", f"student{i}"))
+        proc = subprocess.run([sys.executable, "-m", "scripts.course.grade_class", os.path.join(tmp, "class"),
+                               "--out", tmp], cwd=ROOT, env=tier_env({}), capture_output=True, text=True)
+        m = re.search(r"(\d+) students in (\d+) s \((\d+) s per submission\)", proc.stdout)
+        totals = re.findall(r"^\s+student\d+\s+(\S+)", proc.stdout, re.M)  # each student's points
+        rows.append(f"| `make grade-class`, {students} copies | {m[2]} s, {m[3]} s a submission | points: "
+                    f"{', '.join(totals)} |" if m else f"| `make grade-class` | failed | {proc.stdout[-200:]!r} |")
+    return "\n".join(["## Grading", "", f"Machine: {machine()}. `make results GRADING=1`: this checkout (the "
+                      "solutions) graded, on an idle machine.", "", "| command | wall | tests, points |",
                       "|---|---:|---|", *rows])
 
 
