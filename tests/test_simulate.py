@@ -74,6 +74,7 @@ def test_make_figure1s_measure_is_the_formula_and_06s_peak_its_units_in_flight()
     shape = ["--n-layer", "2", "--d-model", "64", "--n-head", "2"]
     for lesson in ("04_zero1", "06_zero3"):
         m = figure1.measure(lesson, shape, 8)
+        # (and AdamW's step counts, which the formula leaves out: 4 bytes a parameter tensor, under 64 tensors)
         assert abs(m["held"] - figure1.formula(lesson, m["psi"], 8)) <= padding_bytes(8) + 4 * 64, lesson
     # 06: its shards plus the root, the block computing and the one prefetched, byte for byte
     assert m["peak_params"] == m["params"] + figure1.in_flight(shape, 8)
