@@ -287,3 +287,19 @@ def test_compare_is_step_by_step_and_never_passes_nan_inf_or_a_length_mismatch()
         assert gpu_check.compare(REF, bad, tol)[1].startswith("loss "), bad  # the reference too
     assert gpu_check.compare(REF, REF + [3.6], tol) == (math.inf, "4 steps against 5")
     assert gpu_check.compare([], [], tol) == (math.inf, "no steps")
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_results_section_is_the_table_and_the_checks_without_empty_columns(monkeypatch, tmp_path, capsys, gpus):
+    # docs/results.md's GPU part (--results, as make gpu-check runs): at world 1 nothing crosses
+    # the wire, so its two columns are left out and the caption says why; at 2 GPUs they stay
+    from scripts.learn import results
+    monkeypatch.setattr(results, "PATH", str(tmp_path / "results.md"))
+    assert gpu_check_exit(monkeypatch, tmp_path, FakeLaunch(), gpus=gpus, device="cuda", quick=False,
+                          argv=["--results"]) == 0, capsys.readouterr().out
+    text = (tmp_path / "results.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| lesson |"))
+    assert ("issued / theory MiB" in header and "comm hidden" in header) == (gpus == 2), header
+    assert ("World 1 only (one GPU): nothing crossed NCCL" in text) == (gpus == 1)
+    assert f"- 07 at world {gpus}, copies per step (CUDA events): fp32 up 0.0 MiB" in text
+    assert text.count("✓") == 3 + (gpus == 2) and "- largest distance" not in text

@@ -210,11 +210,14 @@ COLUMNS = [("lesson", "lesson"), ("world", "N"), ("precision", "precision"), ("l
            ("issued", "issued / theory MiB"), ("hidden", "comm hidden")]
 
 
-def table(rows):
+def table(rows, brief=False):
     """The runs as a markdown table; a distance beyond its tolerance is marked ✗ (one reference
-    only, the CPU, where the runs are on the CPU)."""
+    only, the CPU, where the runs are on the CPU). brief: at world 1 only, without the columns
+    of the wire (nothing crossed it)."""
     fmt = {"loss": "{:.4f}", "step_ms": "{:.1f}", "tok_s": "{:,.0f}"}
-    columns = [(k, title) for k, title in COLUMNS if not k.startswith("vs ") or k[3:] in rows[0]["vs"]]
+    wireless = brief and all(r["world"] == 1 for r in rows)
+    columns = [(k, title) for k, title in COLUMNS if (not k.startswith("vs ") or k[3:] in rows[0]["vs"])
+               and not (wireless and k in ("issued", "hidden"))]
     lines = ["| " + " | ".join(title for _, title in columns) + " |",
              "|" + "|".join("---" if k in ("lesson", "precision") else "---:" for k, _ in columns) + "|"]
     for r in rows:
@@ -249,6 +252,26 @@ def offload_line(world, precision, r):
     return (f"- 07_offload world {world} {precision}: {tiers}; copied up {mib(c.get('h2d_bytes', 0)):.1f} MiB "
             f"in {c.get('h2d_s', 0) * 1e3:.1f} ms, down {mib(c.get('d2h_bytes', 0)):.1f} MiB in "
             f"{c.get('d2h_s', 0) * 1e3:.1f} ms; " + (summary.copies_hidden(c, r.get("device")) if c else "no copies"))
+
+
+def caption(worlds):
+    """What results.md's table shows, in a line (gpu_check.md's distance lines say it at length)."""
+    alone = " World 1 only (one GPU): nothing crossed NCCL, nothing was issued." if worlds == [1] else ""
+    return ('"vs CPU", "vs 1 GPU": the largest loss difference from one process on the CPU and on one GPU, '
+            f"each within its [tolerance](gpus.md).{alone}")
+
+
+def brief_offload(reports, worlds):
+    """07's copies in one line per world (offload_line's facts, for results.md)."""
+    lines = []
+    for world in worlds:
+        runs = [(p, ((by_world[world]["07_offload"].get("copies_per_rank") or [None])[0] or {}))
+                for p, by_world in reports.items() if "07_offload" in by_world[world]]
+        lines += [f"- 07 at world {world}, copies per step (CUDA events): " + "; ".join(
+            f"{p} up {mib(c.get('h2d_bytes', 0)):.1f} MiB in {c.get('h2d_s', 0) * 1e3:.1f} ms, down "
+            f"{mib(c.get('d2h_bytes', 0)):.1f} MiB in {c.get('d2h_s', 0) * 1e3:.1f} ms, exposed "
+            f"{c.get('exposed_s', 0) * 1e3:.1f} ms" for p, c in runs)] if runs else []
+    return lines
 
 
 def skips(r):
@@ -473,7 +496,8 @@ def check(a):
     if a.results and a.device == "cuda" and not a.quick:  # the GPU's numbers, where README and docs link to them
         from scripts.learn import results
         results.write_section("gpu", "\n".join(["## On GPUs", "", f"Machine: {results.machine()}, {where}. "
-                                                "`make gpu-check`.", "", *out[2:], *done]))
+                                                "`make gpu-check`.", "", caption(worlds), "", table(rows, brief=True), "",
+                                                *brief_offload(reports, worlds), *scaling, *done]))
     if failures:
         print("gpu-check: FAILED: " + "; ".join(failures))
         return 1
