@@ -5,9 +5,8 @@ ZeRO-2 (Rajbhandari et al. 2020, "P_os+g") never does: backward fills 03's bucke
 bucket is reduce-scattered at once, while backward goes on, and a rank keeps only its slice of
 each bucket's averaged gradient. A bucket's full buffer is freed once its reduce-scatter is
 done, so gradients take 2 Psi / N bytes plus the buckets in flight (the summary prints the peak
-beside that bound; the default GPT is two buckets: --bucket-mb 0.25 makes it many). Rank r owns
-slice r of every bucket's gradient, parameters and optimizer state; after the step each bucket
-is all-gathered: 2 Psi (N-1)/N elements per rank per step, as in 01 and 04.
+beside that bound; the default GPT is two buckets: --bucket-mb 0.25 makes it many). The step
+and its all-gather are 04's, bucket by bucket: 2 Psi (N-1)/N elements per rank per step.
 
 With --grad-accum K it reduce-scatters at every micro-step (as DeepSpeed stage 2 and FSDP2 do by
 default) and adds my slice into my gradient shard: K reduce-scatters a step. In bf16, micro-steps'
@@ -24,7 +23,6 @@ PyTorch: FSDP2 `fully_shard(model, reshard_after_forward=False)` (the same commu
 parameters are sharded at rest, too); DeepSpeed: ZeRO stage 2.
 """
 import functools
-import importlib
 
 import torch
 import torch.distributed as dist
@@ -32,31 +30,31 @@ import torch.distributed as dist
 from bucket import BucketManager
 from lessonkit import checkpoint, common, ddp, lifecycle, loss_scale, measure, optimizers
 from model import get_batch
-
-zero1 = importlib.import_module("04_zero1")  # its step on my shards (ShardOptimizer), which 05 shares
+from shard import ShardOptimizer
 
 
 # ----------------------------------------------------------------------------- the strategy
 class ZeRO2Optimizer(ddp.GradientSync, torch.optim.Optimizer):
     """A torch.optim.Optimizer shaped like PyTorch's `ZeroRedundancyOptimizer(params,
-    optimizer_class, **defaults)`, used where a loop used that (and DDP: 05 reduces itself).
+    optimizer_class, **defaults)`, used where a loop used that (and DDP: it reduces itself).
 
-    params            the model's parameters; the trainable ones are moved into one flat buffer
-                      per bucket that they view from then on (frozen ones stay where they are)
-    optimizer_class   any torch.optim optimizer (AdamW, Adam, SGD, ...), over my shard of every bucket
+    params            the model's parameters; the trainable ones are moved into flat buffers (one
+                      per bucket) that they view from then on (frozen ones stay where they are)
+    optimizer_class   any torch.optim optimizer (AdamW, Adam, SGD, ...), run over my shard only
     bucket_cap_mb     the bucket size, as in 03 and DDP
     first_bucket_cap_mb  bucket 0's, as in 03 and DDP (1 MiB): its reduce-scatter starts early
     bucket_order      `model.parameters()`: buckets follow it backwards, so bucket 0 holds the last
-                      layers, whose gradients come first (03, DDP). None: the order of `params`, which
-                      decay groups sort (matrices first): bucket 0 would wait till backward's end.
+                      layers, whose gradients come first (03). None: `params`' order (matrices first).
     grad_clip         global-norm gradient clipping across all shards; 0 turns it off
-    find_unused_parameters  as DDP's and 04's: a parameter no rank's backward reached is left alone
+    find_unused_parameters  as DDP's: a parameter no rank's backward reached is left alone by the
+                      optimizer, as one process leaves it (costs a small all-reduce per step)
     **defaults        the optimizer's own arguments (lr, betas, momentum, ...)
 
-    `param_groups`, `state_dict()` and `load_state_dict()` are the inner optimizer's, as in 04
-    (this rank's shards only). Rank 0's parameters are broadcast here, so ranks may start from
-    different weights. Each backward ends by waiting for its reduce-scatters (a callback queued
-    with the autograd engine, inside loss.backward()); then `step()` and `zero_grad()`.
+    `param_groups`, `state_dict()` and `load_state_dict()` are the inner optimizer's (this rank's
+    shard only: lessonkit/checkpoint.py saves the whole run). Rank 0's parameters are broadcast
+    here, so ranks may start from different weights. Call `step()` once per optimizer step, after
+    the last micro-step's backward, then `zero_grad()`. Each backward ends by waiting for its
+    reduce-scatters (a callback queued with the autograd engine, inside loss.backward()).
     """
     unscale_in_step = True  # fp16: LossScaler.step calls step(unscale=) (lessonkit/loss_scale.py)
 
@@ -68,24 +66,18 @@ class ZeRO2Optimizer(ddp.GradientSync, torch.optim.Optimizer):
             position = {id(p): i for i, p in enumerate(bucket_order)}
             self.params.sort(key=lambda p: position.get(id(p), len(position)))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        # The buckets of 03, padded so each splits into N equal shards; but the collective is a
-        # reduce-scatter, and a bucket's full-size buffer exists only while it fills and is in
-        # flight. At most two in flight (as DeepSpeed's overlap_comm): before a third starts,
-        # the oldest is waited for and freed. During backward a rank then holds its slices
-        # (2 Psi / N), two buckets in flight and the one filling (or two, when a gradient arrives
-        # ahead of bucket order): a few buckets' worth, however long the model.
-        # Bucket 0 is capped at 1 MiB (03, DDP): one 25 MiB bucket would be the whole gradient of
-        # a small model, reduce-scattered only once backward is over, with nothing to overlap.
+        # 03's buckets, reduce-scattered during backward; a full-size buffer lives only while it
+        # fills and is in flight, at most two in flight (DeepSpeed's overlap_comm): before a third
+        # starts, the oldest is waited for and freed. Bucket 0: 1 MiB (03), to start early.
         self.grad_buckets = BucketManager(self.params, bucket_cap_mb, launch=self._reduce_scatter,
                                           grads_as_views=False, pad_to=self.world_size,
                                           on_done=self._keep_my_shard, max_in_flight=2,
                                           first_bucket_cap_mb=first_bucket_cap_mb)  # bucket 0: starts early
-        buckets = self.grad_buckets.buckets
+        self.grad_shards = [None] * len(self.grad_buckets.buckets)  # my slice of each bucket's gradient
+        self.grad_shards_in_flight = {}  # bucket index -> reduce-scatter output
         self.flat_params, self.param_shards, shards = [], [], []
-        self.grad_shards = [None] * len(buckets)  # my slice of each bucket's gradient, kept
-        self.grad_shards_in_flight = {}            # bucket index -> reduce-scatter output
         with torch.no_grad():
-            for bucket in buckets:
+            for bucket in self.grad_buckets.buckets:
                 # Each bucket's parameters view one flat buffer with the bucket's layout and
                 # padding (the padding stays zero, and so do its gradient and its update).
                 flat_param = torch.zeros(bucket.numel_padded, dtype=bucket.dtype, device=bucket.device)
@@ -104,27 +96,27 @@ class ZeRO2Optimizer(ddp.GradientSync, torch.optim.Optimizer):
                 shards.append((bucket.params, param_shard, start))
             for p in frozen:  # not trained, but it must still be the same on every rank
                 dist.broadcast(p.data, src=0)
-        # The optimizer on my shard of every bucket, as in 04: fp32 masters and a torch.optim
-        # optimizer over them alone, in the caller's param groups.
-        self.shard_optimizer = zero1.ShardOptimizer(groups, shards, optimizer_class, grad_clip,
-                                                         find_unused_parameters, **defaults)
+        # The optimizer on my shard only (shard.py): fp32 masters and a torch.optim optimizer
+        # over them alone, in the caller's param groups.
+        self.shard_optimizer = ShardOptimizer(groups, shards, optimizer_class, grad_clip,
+                                              find_unused_parameters, **defaults)
         super().__init__(self.shard_optimizer.masters, defaults)
         self.param_groups = self.shard_optimizer.param_groups  # what an lr_scheduler sets is what steps
-        self.grad_accumulation = ddp.FP32Accumulation(self.params)
+        self.grad_accumulation = ddp.FP32Accumulation(self.params)  # (under no_sync(): as 04)
         # Fires during backward once p.grad is complete (a tied weight's: both uses summed).
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, p):
         if self.require_backward_grad_sync:  # (else p.grad keeps the sum, in fp32 where it has 2 bytes)
-            ddp.at_end_of_backward(self, self.finish_reduce_scatter)  # wait for all at its end
+            ddp.at_end_of_backward(self, self.grad_buckets.finish)  # at its end: launch the rest, wait for all
             self.grad_buckets.ready(p)
 
     @torch.no_grad()
     def _reduce_scatter(self, bucket):
-        """BucketManager's launch(bucket): called during backward, as soon as a bucket is full."""
-        # 1) reduce-scatter the bucket's gradient, averaged, asynchronously: backward goes on
-        # with earlier layers while it runs. (Divide first, then SUM, as in 01.)
+        """BucketManager's launch(bucket): start the reduce-scatter of a full bucket."""
+        # 1) reduce-scatter the bucket's gradient, averaged, during backward (which goes on).
+        # (Divide first, then SUM, as in 01.)
         # ### BEGIN SOLUTION: 1) reduce-scatter a full bucket
         # GOAL: start, without blocking, the collective that leaves my slice (numel_padded / N
         #       elements) of the bucket's global-batch mean gradient in a new tensor of the bucket's
@@ -153,19 +145,14 @@ class ZeRO2Optimizer(ddp.GradientSync, torch.optim.Optimizer):
         bucket.buffer = None  # freed: the next bucket to fill gets the memory back
         # ### END SOLUTION
 
-    def finish_reduce_scatter(self):
-        """At the end of each backward: launch any bucket a parameter without gradient left
-        short, wait for every bucket's reduce-scatter, keep my slices."""
-        self.grad_buckets.finish()
-
     @torch.no_grad()
     def step(self, closure=None, unscale=None):
         assert closure is None, "closures are not supported"
         assert None not in self.grad_shards, "step() before any backward since zero_grad()"
         # 1) the reduce-scatters ran during backward: my gradient shards are ready.
 
-        # 2) AdamW on my shard of every bucket, in fp32 (bf16 and fp16 gradients are cast up
-        # first), as in 04; fp16: unscaled there, and skipped on every rank if any rank's shards hold an inf
+        # 2) AdamW on my shards (shard.py), in fp32, clipped by the global norm; fp16: unscaled
+        # there, and skipped on every rank if any rank's shards hold an inf or NaN.
         self.shard_optimizer.step(self.grad_shards, unscale)
 
         # 3) per bucket: all-gather every rank's updated shard into its flat buffer, in place as
@@ -188,7 +175,7 @@ class ZeRO2Optimizer(ddp.GradientSync, torch.optim.Optimizer):
 
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoint_shards(optimizer, names):
-    """For lessonkit/checkpoint.py: what a ZeRO2Optimizer holds, per bucket as 04 for its one buffer."""
+    """For lessonkit/checkpoint.py: what the optimizer holds, per bucket."""
     return optimizer.shard_optimizer.checkpoint_shards(names, optimizer.flat_params)
 
 

@@ -1,4 +1,4 @@
-"""Gradient buckets, shared by 03 (all-reduce) and 05 (reduce-scatter); 06 reduce-scatters per unit.
+"""Gradient buckets: 03 all-reduces them, 04 and 05 reduce-scatter them; 06 works per unit.
 
 One collective per gradient pays the per-call latency once per parameter (a GPT has dozens of
 small ones). A bucket packs many gradients into one flat buffer, so one collective moves them
@@ -7,7 +7,7 @@ the gradients of earlier layers: communication overlaps computation.
 
 `Bucket` is the flat buffer and its layout. `BucketManager` assigns parameters to buckets,
 tracks which gradients are ready, and launches the collective of each full bucket; *which*
-collective is its user's choice (`launch`), so 03 all-reduces and 05 reduce-scatters.
+collective is its user's choice (`launch`), so 03 all-reduces and 04 and 05 reduce-scatter.
 """
 import math
 from typing import Callable, Optional
@@ -59,7 +59,7 @@ class BucketManager:
     first_bucket_cap_mb  a smaller cap for bucket 0 (None: the same): its collective can then
                     start early in backward, not only once a whole 25 MiB bucket is full
     launch          launch(bucket) -> async work handle: the collective, chosen by the user
-    grads_as_views  True (03): each `p.grad` IS a view of its bucket's buffer, allocated once,
+    grads_as_views  True (03, 04): each `p.grad` IS a view of its bucket's buffer, allocated once,
                     so autograd accumulates straight into the buffer, no copies (from a
                     parameter's first gradient on, as DDP's gradient_as_bucket_view).
                     False (05): the buffer exists only while the bucket is in flight;

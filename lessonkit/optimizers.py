@@ -1,7 +1,7 @@
 """The optimizer side the lessons share: AdamW with fp32 master weights for 01-03
 (MixedPrecisionAdamW), clipping across shards and find_unused_parameters (04-08), the
 learning-rate schedule, nanoGPT's weight-decay groups and Muon beside AdamW (09). (04's
-ShardOptimizer is on its page.)
+ShardOptimizer is in shard.py.)
 """
 import contextlib
 import math

@@ -31,7 +31,7 @@ class FlatShard:
 
 def flat_buffer_shards(names, params, flat_param, pieces, optim):
     """What 04 and 05 hold of one flat buffer: the whole buffer (every rank holds and loads it
-    whole; none writes it) and, per piece of my shard (optimizers.ShardOptimizer.pieces), that part of it,
+    whole; none writes it) and, per piece of my shard (shard.ShardOptimizer.pieces), that part of it,
     its fp32 master and `optim`'s state for it, which I write and load."""
     layout = [(names[p], p.numel()) for p in params]
     return [FlatShard(layout, {"param": (0, flat_param)}, owned=(0, 0))] + [

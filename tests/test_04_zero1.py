@@ -66,9 +66,9 @@ def test_memory_at_rest_bf16_is_zero1_theory_plus_padding(world):
     theory, n = memory_theory(report), padded(world)
     assert report["n_params"] == PSI
     assert (theory["params"], theory["grads"], theory["optimizer"]) == (2 * PSI, 2 * PSI, 12 * PSI / world)
-    # the flat buffer's layout: main()'s param groups in order (matrices, then biases and norms)
+    # the flat buffer's layout: one bucket (bucket.py) of main()'s param groups, in reverse
     gpt = GPT(common.model_config(common.parse_args(BF16)))
-    numels = [p.numel() for g in optimizers.decay_groups(gpt, 0.1) for p in g["params"]]
+    numels = [p.numel() for g in optimizers.decay_groups(gpt, 0.1) for p in g["params"]][::-1]
     for rank, m in enumerate(held(report)):
         # exact bytes: one padded bf16 flat buffer each for parameters and gradients (2 Psi
         # each); for one shard of it, fp32 master weights and two fp32 Adam moments (12 Psi / N),

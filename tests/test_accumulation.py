@@ -89,7 +89,7 @@ def handed(lesson, trainer):
     if lesson in ("01", "02", "03"):  # MixedPrecisionAdamW: fp32 masters, .grad = p.grad.float()
         names = {p: n for n, p in trainer.module.named_parameters()}
         return [(names[p], 0, p.numel(), m) for p, m in zip(trainer.opt.params, trainer.opt.master)], trainer.opt.optim
-    if lesson in ("04", "05"):  # my shards' pieces (04's ShardOptimizer): p's elements lo..hi
+    if lesson in ("04", "05"):  # my shards' pieces (shard.ShardOptimizer): p's elements lo..hi
         names = {p: n for n, p in trainer.model.named_parameters()}
         shard_optimizer = trainer.opt.shard_optimizer
         return ([(names[p], lo, hi, piece) for pieces in shard_optimizer.pieces for p, _, lo, hi, piece in pieces],

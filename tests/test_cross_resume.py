@@ -5,8 +5,8 @@ Writers: 01-08 at world 2 in fp32, bf16 and fp16 (the loss scaler's state too), 
 2. Checkpoints whose states are the same bits (every parameter's trained values, fp32 masters
 where kept, the optimizer's moments and step) must resume, in any reader, to the same losses and
 parameters bit for bit, whatever wrote them. At world 2 in fp32 and fp16 every lesson's state is
-the same bits (a sum of two terms has one order); in bf16 the states fall in three kinds, 01-03,
-04 and 05-08, round-off apart (their bf16 arithmetic differs). A reader then resumes a writer of
+the same bits (a sum of two terms has one order); in bf16 the states fall in two kinds, 01-03
+and 04-08, round-off apart (their bf16 arithmetic differs). A reader then resumes a writer of
 another kind as it resumes any writer of that kind, within bf16's tolerance of its own
 checkpoint, and what it loaded is the writer's state: after a step at --lr 0 its parameters are
 the writer's (fp32 masters where it keeps them). The whole matrix (8 writers x 8 readers x 3
@@ -136,10 +136,10 @@ def check(root, results):
             torch.testing.assert_close(got["losses"], own["losses"], rtol=0, atol=BF16_LOSS_ATOL)
 
 
-def test_the_writers_states_are_one_kind_in_fp32_and_fp16_and_three_in_bf16(root):
+def test_the_writers_states_are_one_kind_in_fp32_and_fp16_and_two_in_bf16(root):
     # what makes the matrix below able to fail: equal states from unlike layouts
     assert kinds(root, "fp32") == kinds(root, "fp16") == [LESSONS]
-    assert kinds(root, "bf16") == [LESSONS[:3], LESSONS[3:4], LESSONS[4:]]
+    assert kinds(root, "bf16") == [LESSONS[:3], LESSONS[3:]]
 
 
 def slice_triples():

@@ -1,11 +1,12 @@
 """The house rules of the layout: every lesson small enough to read in one sitting, each support
 module small enough to read at once beside it, and the README's layout naming every one of them.
 
-Lesson code is what a student reads to learn the idea: 00-08, bucket.py (03's and 05's buckets,
-with solution regions of its own) and model.py (the GPT they all train, and its data), and they
-are all the root holds besides the folders and the README. Support is the package lessonkit/, one
-folder down: what is not a lesson's idea (set-up, measurement, checkpoints, the optimizer side,
-06-08's flat units and their order), each module read where a lesson points to it.
+Lesson code is what a student reads to learn the idea: 00-09, bucket.py (03's buckets, with
+solution regions of its own), shard.py (04's step on my shard) and model.py (the GPT they all
+train, and its data), and they are all the root holds besides the folders and the README.
+Support is the package lessonkit/, one folder down: what is not a lesson's idea (set-up,
+measurement, checkpoints, the optimizer side, 06-08's flat units and their order), each module
+read where a lesson points to it.
 """
 import ast
 import glob
@@ -32,7 +33,7 @@ def modules():
 
 def test_the_root_is_the_reading_path():
     names = {os.path.basename(p) for p in modules()[0]}
-    assert all(n[:2].isdigit() or n in ("bucket.py", "model.py") for n in names), sorted(names)
+    assert all(n[:2].isdigit() or n in ("bucket.py", "shard.py", "model.py") for n in names), sorted(names)
     top = {p for p in os.listdir(ROOT) if not p.startswith(".") and p not in names and p not in ("runs", "__pycache__")}
     assert top <= {"Makefile", "README.md", "requirements.txt",
                    "lessonkit", "notebooks", "tests", "docs", "scripts"}, sorted(top)
@@ -83,7 +84,7 @@ def test_the_readmes_line_counts_are_the_files():
     listed = {k: int(v) for k, v in re.findall(r"\b(0\d) (\d+)[,.]", said)}
     assert listed == by_prefix, listed  # every lesson, each its length
     assert number(re.search(r"Each lesson is at most (\d+)", said)[1]) == LESSON_MAX_LINES
-    for name in ("bucket.py", "model.py"):
+    for name in ("bucket.py", "shard.py", "model.py"):
         assert number(re.search(rf"`{name}` (\d+)", said)[1]) == lines(os.path.join(ROOT, name)), name
     kit, code = (number(x) for x in re.search(r"([\d,]+) lines against ([\d,]+)", said).groups())
     assert (kit, code) == (sum(map(lines, support)), sum(map(lines, lesson))), (kit, code)

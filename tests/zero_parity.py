@@ -59,7 +59,7 @@ def optimizer_bytes(numels, world, rank, master_copy):
     """The optimizer state `rank` holds for one flat buffer of parameters of these sizes (back
     to back, padded to a multiple of N): its shard's fp32 master weights if they are a copy
     (bf16; in fp32 the shard is its own master), padding included; AdamW's two fp32 moments
-    for each parameter's elements in the shard (04's ShardOptimizer.pieces: padding has none); and
+    for each parameter's elements in the shard (shard.ShardOptimizer.pieces: padding has none); and
     AdamW's step count, one fp32 scalar per such piece."""
     pieces, elements = held_pieces(numels, world, rank)
     return (4 * -(-sum(numels) // world) if master_copy else 0) + 8 * elements + 4 * pieces
