@@ -57,13 +57,14 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
                  **defaults):
         groups, frozen = optimizers.param_groups(params)  # the caller's groups, each parameter once
         self.params = [p for g in groups for p in g["params"]]
+        assert len({p.dtype for p in self.params}) == 1, "one working precision for all parameters"
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # One flat buffer for the parameters, one for their gradients: one bucket of 03 holding
         # them all (no cap), padded to a multiple of N so it splits into N equal shards (a
         # reduce-scatter needs equal chunks), reduce-scattered in step(). (05: many, in backward.)
         self.grad_buckets = BucketManager(self.params, math.inf, launch=self._reduce_scatter,
                                           grads_as_views=True, pad_to=self.world_size,
-                                          on_done=self._keep_my_shard)  # (a second dtype: a second bucket)
+                                          on_done=self._keep_my_shard)
         self.grad_shards = [None] * len(self.grad_buckets.buckets)  # my slice of each bucket's gradient
         self.grad_shards_in_flight = {}  # bucket index -> reduce-scatter output
         self.flat_params, self.param_shards, shards = [], [], []
@@ -98,7 +99,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
                                               find_unused_parameters, **defaults)
         super().__init__(self.shard_optimizer.masters, defaults)
         self.param_groups = self.shard_optimizer.param_groups  # what an lr_scheduler sets is what steps
-        # in bf16 (fp16), from a parameter's second micro-step on: an fp32 sum, 4 bytes per parameter
+        # In bf16, micro-steps' gradients add up in fp32, never in bf16: 4 bytes per parameter
         self.grad_accumulation = ddp.FP32Accumulation(self.params)
 
     @torch.no_grad()

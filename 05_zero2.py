@@ -88,9 +88,13 @@ class ZeRO2Optimizer(ddp.GradientSync, torch.optim.Optimizer):
                 # Ranks may start from different random weights: make rank 0's the truth.
                 dist.broadcast(flat_param, src=0)
                 # My shard: slice `rank` of this bucket, updated by me only.
+                # ### BEGIN SOLUTION: my shard of the flat buffer
+                # GOAL: param_shard is this rank's slice (slice number self.rank, numel_padded / N
+                #       elements) of flat_param, sharing its memory: updating it updates the parameters.
                 shard_numel = bucket.numel_padded // self.world_size
                 start = self.rank * shard_numel
                 param_shard = flat_param[start:start + shard_numel]  # (numel_padded / N,), a view
+                # ### END SOLUTION
                 self.flat_params.append(flat_param)  # (numel_padded,)
                 self.param_shards.append(param_shard)
                 shards.append((bucket.params, param_shard, start))
@@ -159,7 +163,11 @@ class ZeRO2Optimizer(ddp.GradientSync, torch.optim.Optimizer):
         # in 04; all buckets at once, then wait. (A skipped step too, as 04: each shard is unchanged.)
         works = []
         for flat_param, param_shard in zip(self.flat_params, self.param_shards):
+            # ### BEGIN SOLUTION: 3) all-gather the parameters
+            # GOAL: flat_param will hold every rank's updated slice (param_shard on each), on every
+            #       rank, in the working precision; one async collective, its handle in works.
             works.append(dist.all_gather_into_tensor(flat_param, param_shard, async_op=True))
+            # ### END SOLUTION
         for work in works:
             work.wait()
 

@@ -22,12 +22,13 @@ from scripts.runs import LESSONS
 # The graded lessons: the tools' (scripts/runs.py), 01-08, and 09
 GRADED_LESSONS = list(LESSONS) + ["09_muon"]
 GRADED = GRADED_LESSONS + ["bucket"]
-# The region a run of each lesson reaches first in the edition (05 builds on 03's bucket.py).
+# The region a run of each lesson reaches first in the edition (03's is in bucket.py; 05 builds
+# its flat buffers first, as 04).
 FIRST = {"01_vanilla_dp": ("01_vanilla_dp.py", "average the gradients"),
          "02_async_allreduce": ("02_async_allreduce.py", "launch the gradient's all-reduce"),
          "03_buckets": ("bucket.py", "launch the full buckets, in order"),
          "04_zero1": ("04_zero1.py", "my shard of the flat buffer"),
-         "05_zero2": ("bucket.py", "launch the full buckets, in order"),
+         "05_zero2": ("05_zero2.py", "my shard of the flat buffer"),
          "06_zero3": ("06_zero3.py", "gather a unit"),
          "07_offload": ("07_offload.py", "upload every unit's shard"),  # before 06's gather
          "08_hybrid": ("08_hybrid.py", "the grid's groups"),  # before anything of 06's

@@ -34,7 +34,7 @@ def test_diffs_are_stable():
 # stands, so it cannot grow unseen: 03 is shaped like DDP (a model wrapper beside a plain
 # optimizer), 04 like ZeroRedundancyOptimizer (an optimizer), so its class is new whole.
 CHANGED_LINES = {("01_vanilla_dp", "02_async_allreduce"): 150, ("02_async_allreduce", "03_buckets"): 150,
-                 ("03_buckets", "04_zero1"): 253, ("04_zero1", "05_zero2"): 150, ("05_zero2", "06_zero3"): 350}
+                 ("03_buckets", "04_zero1"): 254, ("04_zero1", "05_zero2"): 150, ("05_zero2", "06_zero3"): 350}
 
 
 def test_each_diff_is_the_idea_within_its_budget():
