@@ -50,9 +50,9 @@ def test_every_graded_file_has_balanced_fences_with_a_goal_and_a_recipe():
     earlier = set()  # (title, code) of the regions of the files before, in reading order
     for name in fenced:
         with open(os.path.join(ROOT, name), encoding="utf-8") as f:
-            lines = f.read().splitlines()
-        found = se.regions("\n".join(lines) + "\n", name)  # raises on a bad fence
-        bodies = [(title, tuple(lines[start:end])) for start, end, _, title, _ in found]
+            text = f.read()
+        found = se.regions(text, name)  # raises on a bad fence
+        bodies = [(title, tuple(text.splitlines()[start:end])) for start, end, _, title, _ in found]
         # few and meaningful: a region repeated whole from an earlier lesson (05 fences 04's shard
         # slice, reduce-scatter and all-gather again, so that it shows none of 04's solutions)
         # is not new work

@@ -249,9 +249,14 @@ def offload_line(world, precision, r):
     m, c = r["memory"]["per_rank"][0], (r.get("copies_per_rank") or [None])[0] or {}
     tiers = " | ".join(f"{tier} {mib(sum(m[tier][k] for k in ('params', 'grads', 'optimizer'))):.1f} MiB "
                        f"(optimizer {mib(m[tier]['optimizer']):.1f})" for tier in ("device", "host") if tier in m)
-    return (f"- 07_offload world {world} {precision}: {tiers}; copied up {mib(c.get('h2d_bytes', 0)):.1f} MiB "
-            f"in {c.get('h2d_s', 0) * 1e3:.1f} ms, down {mib(c.get('d2h_bytes', 0)):.1f} MiB in "
-            f"{c.get('d2h_s', 0) * 1e3:.1f} ms; " + (summary.copies_hidden(c, r.get("device")) if c else "no copies"))
+    return (f"- 07_offload world {world} {precision}: {tiers}; copied {copies(c)}; "
+            + (summary.copies_hidden(c, r.get("device")) if c else "no copies"))
+
+
+def copies(c):
+    """07's copies of one step (one rank's counters, {} if none): up and down, bytes and time."""
+    return (f"up {mib(c.get('h2d_bytes', 0)):.1f} MiB in {c.get('h2d_s', 0) * 1e3:.1f} ms, "
+            f"down {mib(c.get('d2h_bytes', 0)):.1f} MiB in {c.get('d2h_s', 0) * 1e3:.1f} ms")
 
 
 def caption(worlds):
@@ -268,9 +273,7 @@ def brief_offload(reports, worlds):
         runs = [(p, ((by_world[world]["07_offload"].get("copies_per_rank") or [None])[0] or {}))
                 for p, by_world in reports.items() if "07_offload" in by_world[world]]
         lines += [f"- 07 at world {world}, copies per step (CUDA events): " + "; ".join(
-            f"{p} up {mib(c.get('h2d_bytes', 0)):.1f} MiB in {c.get('h2d_s', 0) * 1e3:.1f} ms, down "
-            f"{mib(c.get('d2h_bytes', 0)):.1f} MiB in {c.get('d2h_s', 0) * 1e3:.1f} ms, exposed "
-            f"{c.get('exposed_s', 0) * 1e3:.1f} ms" for p, c in runs)] if runs else []
+            f"{p} {copies(c)}, exposed {c.get('exposed_s', 0) * 1e3:.1f} ms" for p, c in runs)] if runs else []
     return lines
 
 
