@@ -1,4 +1,4 @@
-"""Where the tests read the graded files (the lessons and bucket.py) from: this checkout, or a
+"""Where the tests read the graded files (the lessons, bucket.py and shard.py) from: this checkout, or a
 student edition named by DP_LESSONS. The tests load every graded file through load_lesson.
 (scripts/course/grade.py does not need DP_LESSONS: it copies a submission's graded files into a
 directory laid out as a checkout, and runs the tests there.)
@@ -8,7 +8,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Where the graded files (the lessons and bucket.py) are read from: this checkout, or a student
+# Where the graded files (the lessons, bucket.py and shard.py) are read from: this checkout, or a student
 # edition (scripts/course/student_edition.py) named by DP_LESSONS. The one place the tests learn it;
 # spawned ranks and torchrun's processes inherit the variable (with it set, spawn() starts
 # every rank as a new interpreter). Support modules (common, model, measure) come from this
@@ -19,18 +19,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LESSONS_DIR = os.path.abspath(os.environ.get("DP_LESSONS") or ROOT)
 
 
+# the graded files the lessons import by name (03 and 05: bucket.py; 04 and 05: shard.py)
+SHARED = ("bucket", "shard")
 # the lessons that import another at their top (07, 08 and 09's --zero3 1 build on 06's units)
 BUILDS_ON = {"07_offload": "06_zero3", "08_hybrid": "06_zero3", "09_muon": "06_zero3"}
 
 
 def lesson_file(name):
-    """The path of graded file `name` ("03_buckets", "bucket"): for running it as a script."""
+    """The path of graded file `name` ("03_buckets", "bucket", "shard"): for running it as a script."""
     return os.path.join(LESSONS_DIR, f"{name}.py")
 
 
 def load_lesson(name):
     """Import a graded file from LESSONS_DIR as a module: a lesson ("03_buckets", a name that
-    is not a valid module name) or "bucket"."""
+    is not a valid module name), "bucket" or "shard"."""
     path = lesson_file(name)
     module = sys.modules.get(name)
     if module is not None:
@@ -50,20 +52,21 @@ def load_lesson(name):
     except BaseException as e:
         # None, not absent: a plain `import bucket` must never fall back to this checkout's
         sys.modules[name] = None
-        if name != "bucket" and isinstance(e, ImportError) and e.name == "bucket":
-            load_lesson("bucket")  # the lesson failed because bucket.py did: raise its error
+        if name not in SHARED and isinstance(e, ImportError) and e.name in SHARED:
+            load_lesson(e.name)  # the lesson failed because bucket.py (shard.py) did: raise its error
         raise
     return module
 
 
-# The lessons' own `from bucket import BucketManager` must find LESSONS_DIR's bucket.py, not
-# this checkout's (a student edition has its own): load it now, before any lesson is loaded.
-# If it is broken, only what uses it fails, with its error.
-if os.path.exists(lesson_file("bucket")):
-    try:
-        load_lesson("bucket")
-    except Exception:
-        pass
+# The lessons' own `from bucket import BucketManager` (`from shard import ...`) must find
+# LESSONS_DIR's bucket.py (shard.py), not this checkout's (a student edition has its own): load
+# them now, before any lesson is loaded. If one is broken, only what uses it fails, with its error.
+for _name in SHARED:
+    if os.path.exists(lesson_file(_name)):
+        try:
+            load_lesson(_name)
+        except Exception:
+            pass
 
 
 def tree(path):

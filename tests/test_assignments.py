@@ -21,14 +21,15 @@ from scripts.runs import LESSONS
 
 # The graded lessons: the tools' (scripts/runs.py), 01-08, and 09
 GRADED_LESSONS = list(LESSONS) + ["09_muon"]
-GRADED = GRADED_LESSONS + ["bucket"]
-# The region a run of each lesson reaches first in the edition (03's is in bucket.py; 05 builds
-# its flat buffers first, as 04).
+# The files with solution regions: 04's are all in shard.py, as 03's first is in bucket.py
+GRADED = [name for name in GRADED_LESSONS if name != "04_zero1"] + ["bucket", "shard"]
+# The region a run of each lesson reaches first in the edition (03's is in bucket.py; 04's and
+# 05's in shard.py, which builds their flat buffers).
 FIRST = {"01_vanilla_dp": ("01_vanilla_dp.py", "average the gradients"),
          "02_async_allreduce": ("02_async_allreduce.py", "launch the gradient's all-reduce"),
          "03_buckets": ("bucket.py", "launch the full buckets, in order"),
-         "04_zero1": ("04_zero1.py", "my shard of the flat buffer"),
-         "05_zero2": ("05_zero2.py", "my shard of the flat buffer"),
+         "04_zero1": ("shard.py", "my shard of the flat buffer"),
+         "05_zero2": ("shard.py", "my shard of the flat buffer"),
          "06_zero3": ("06_zero3.py", "gather a unit"),
          "07_offload": ("07_offload.py", "upload every unit's shard"),  # before 06's gather
          "08_hybrid": ("08_hybrid.py", "the grid's groups"),  # before anything of 06's
@@ -45,7 +46,7 @@ def edition(tmp_path_factory):
 # ----------------------------------------------------------------------------- fences
 def test_every_graded_file_has_balanced_fences_with_a_goal_and_a_recipe():
     recipes, titles = se.course_file(se.RECIPES), set()
-    fenced = graded_files()  # the lessons 00-09 and bucket.py
+    fenced = graded_files()  # the lessons 00-09 but 04, bucket.py and shard.py
     assert fenced == sorted(["00_collectives.py", *(f"{name}.py" for name in GRADED)])
     earlier = set()  # (title, code) of the regions of the files before, in reading order
     for name in fenced:
@@ -53,9 +54,7 @@ def test_every_graded_file_has_balanced_fences_with_a_goal_and_a_recipe():
             text = f.read()
         found = se.regions(text, name)  # raises on a bad fence
         bodies = [(title, tuple(text.splitlines()[start:end])) for start, end, _, title, _ in found]
-        # few and meaningful: a region repeated whole from an earlier lesson (05 fences 04's shard
-        # slice, reduce-scatter and all-gather again, so that it shows none of 04's solutions)
-        # is not new work
+        # few and meaningful: a region repeated whole from an earlier file is not new work
         assert 1 <= len([b for b in bodies if b not in earlier]) <= 3, name
         earlier.update(bodies)
         for start, end, indent, title, blocks in found:
@@ -187,7 +186,7 @@ def _every_lesson_through_the_adapter():
 def test_edition_loads_through_the_adapter_and_each_lesson_names_its_todo(edition, monkeypatch):
     monkeypatch.setenv("DP_LESSONS", edition)  # what the spawned ranks read
     for out in spawn(2, _every_lesson_through_the_adapter, timeout=120):
-        assert set(out["files"].values()) == {edition}  # bucket.py too, not the solutions'
+        assert set(out["files"].values()) == {edition}  # bucket.py and shard.py too, not the solutions'
         for lesson, (file, title) in FIRST.items():
             assert out[lesson] == se.message(file, title)
 

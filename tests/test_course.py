@@ -86,8 +86,8 @@ def solution_lines():
     for name in GRADED:
         with open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8") as f:
             texts[name] = f.read()
-    # the code every graded file shows outside its regions (a later lesson shows an earlier
-    # one's idea, e.g. 05 slices its shards as 04 does): given, wherever it occurs
+    # the code every graded file shows outside its regions (a later lesson may show an
+    # earlier one's idea): given, wherever it occurs
     outside = " ".join(_flat("\n".join(l for l in se.strip(t, f"{n}.py").splitlines()
                                        if not l.strip().startswith("#"))) for n, t in texts.items())
     for name, text in texts.items():

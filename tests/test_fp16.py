@@ -180,7 +180,7 @@ def with_an_inf(lesson, argv):
     everything the step could change copied just before it and just after it, this rank's
     skipped steps and its scaler's state at the end (state_dict)."""
     from lessonkit import loss_scale
-    shard_optimizer = load_lesson("04_zero1").ShardOptimizer  # shard.py's, which 04 and 05 use
+    shard_optimizer = load_lesson("shard").ShardOptimizer  # 04 and 05 step with it
     scaler_class, shard_step, seen = loss_scale.LossScaler, shard_optimizer.step, {}
     original = {name: getattr(scaler_class, name) for name in ("step", "unscale_", "update")}
 

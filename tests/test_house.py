@@ -2,8 +2,9 @@
 module small enough to read at once beside it, and the README's layout naming every one of them.
 
 Lesson code is what a student reads to learn the idea: 00-09, bucket.py (03's buckets, with
-solution regions of its own), shard.py (04's step on my shard) and model.py (the GPT they all
-train, and its data), and they are all the root holds besides the folders and the README.
+solution regions of its own), shard.py (04's sharded optimizer, with 04's regions) and model.py
+(the GPT they all train, and its data), and they are all the root holds besides the folders and
+the README.
 Support is the package lessonkit/, one folder down: what is not a lesson's idea (set-up,
 measurement, checkpoints, the optimizer side, 06-08's flat units and their order), each module
 read where a lesson points to it.

@@ -6,7 +6,7 @@
     python -m scripts.course.grade student/ --visible        # the visible tests counted too (minutes)
     python -m scripts.course.grade_class submissions/        # a whole class: grades.csv, grades.json
 
-Only the graded files (the lessons and bucket.py, the files with solution regions) are taken from
+Only the graded files (the lessons, bucket.py and shard.py: the files with solution regions) are taken from
 the edition. They are copied into a fresh directory beside this checkout's support modules, tests
 and hidden tests (tests/hidden/), and one pytest process runs every graded test there, through
 scripts/course/plugin.py: each test has a time limit, the run as a whole another, and results
@@ -17,7 +17,7 @@ count: the hidden ones (one launch of 3 ranks per lesson: seconds a submission),
 --visible the visible ones too (each lesson at 1 and 2 ranks: minutes). The counted groups share
 a lesson's points by their weights.
 
-A lesson that `uses` a graded file it does not own (05: bucket.py, 03's) and loses points while
+A lesson that `uses` a graded file it does not own (05: bucket.py, 03's, and shard.py, 04's) and loses points while
 that file fails its own tests is graded again with this checkout's copy of it, and the table says
 so. Inside a student edition there is no other copy, and no hidden test: the edition is graded
 against its own files, visible tests only, and the table says that too. The exit code is 0 once

@@ -7,7 +7,7 @@
 
 A submission is one entry of the folder, named for its student: a directory, a .zip or a
 .tar.gz/.tgz holding an edition (its lessons at its top, or one folder down). Each is graded as
-scripts/course/grade.py grades one edition: only its graded files (the lessons and bucket.py)
+scripts/course/grade.py grades one edition: only its graded files (the lessons, bucket.py and shard.py)
 are copied, beside this checkout's tests, hidden tests and support modules, into a fresh
 directory; one pytest process per submission, with a time limit per test and one for the whole
 run (points.toml's, or the flags'), killed with every process it started when it runs over. So a

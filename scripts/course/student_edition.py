@@ -20,7 +20,7 @@ as `# TODO:` lines in place of the GOAL (level standard: the GOAL stays, "see th
 every file still imports and a test that reaches the region fails with that message. The fences
 and instructions stay: the student writes between them, and stripping an edition again changes
 nothing (its TODOs stay). A region with no recipe, or a recipe with no region, is an error. Only
-top-level *.py files are fenced (the lessons and bucket.py); everything else is copied as it is,
+top-level *.py files are fenced (the lessons, bucket.py and shard.py); everything else is copied as it is,
 except what would show the solutions or grade them (SKIP_PATHS: the diffs between lessons, the
 hidden tests, the kit's own tests, the answer key, the recipes). The output depends only on the
 source's files (no timestamps), so generating twice gives identical bytes.
@@ -227,7 +227,8 @@ Replace the `raise NotImplementedError(...)` between the fences with your code.
 
 {rows}
 
-`bucket.py` belongs to lesson 03 (graded by `tests/test_bucket.py`); 05 uses it too.
+`bucket.py` belongs to lesson 03 (graded by `tests/test_bucket.py`) and `shard.py` to lesson 04 (graded by
+04's tests; `04_zero1.py` itself has no region); 05 uses both.
 
 ## Set up, once
 
