@@ -1,14 +1,14 @@
 """Lesson 04: ZeRO-1. Shard the optimizer: reduce-scatter -> AdamW on my shard -> all-gather.
 
 In 01-03 every rank holds the whole optimizer (in bf16: 12 bytes per parameter of fp32 master
-weights and Adam moments) and computes the same update. ZeRO-1 (Rajbhandari et al. 2020,
-"P_os"; DeepSpeed's stage 1) splits that work: the trainable parameters live in one flat buffer
-cut into N equal shards, and rank r keeps the optimizer state of shard r and updates it alone.
-The all-reduce of 01 is a reduce-scatter followed by an all-gather (00): ZeRO-1 pulls the two
-apart and puts the optimizer step between them (shard.py), so it sends what 01 sends (2 Psi
-(N-1)/N elements per rank per step) and holds 12 Psi / N bytes of optimizer state, not 12 Psi.
-After the reduce-scatter a rank sees only its shard of the gradient: clipping's norm and fp16's
-found-inf flag are each one all-reduced scalar.
+weights and Adam moments) and computes the same update. ZeRO-1 ("P_os", partition the optimizer
+states: Rajbhandari et al. 2020; DeepSpeed's stage 1) splits that work: the trainable parameters
+live in one flat buffer cut into N equal shards, and rank r keeps the optimizer state of shard r
+and updates it alone. The all-reduce of 01 is a reduce-scatter followed by an all-gather (00):
+ZeRO-1 pulls the two apart and puts the optimizer step between them (shard.py), so it sends
+what 01 sends (2 Psi (N-1)/N elements per rank per step) and holds 12 Psi / N bytes of
+optimizer state, not 12 Psi. After the reduce-scatter a rank sees only its shard of the
+gradient: clipping's norm and fp16's found-inf flag are each one all-reduced scalar.
 
     python 04_zero1.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 04_zero1.py                  # 2 ranks on CPU (gloo)
@@ -51,8 +51,8 @@ class ZeRO1Optimizer(ZeROOptimizer):
     @torch.no_grad()
     def step(self, closure=None, unscale=None):
         assert closure is None, "closures are not supported"
-        # 1) reduce-scatter every bucket (here one), then wait: I hold my shard of the global
-        # batch's gradient, nothing else. (05: each bucket during backward.)
+        # 1) reduce-scatter every bucket (here one), then wait: my shard of the global batch's
+        # gradient (the bucket keeps my local gradient, divided by N). 05: during backward.
         self.grad_buckets.finish()
         self.step_and_all_gather(unscale)  # 2) AdamW on my shards  3) all-gather them
         self.grad_shards = [None] * len(self.grad_shards)  # my gradient slices live only in step()

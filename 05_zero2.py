@@ -1,16 +1,16 @@
 """Lesson 05: ZeRO-2. Shard the gradients too: buckets reduce-scatter during backward.
 
 ZeRO-1 (04) still holds the whole gradient on every rank, though each rank uses 1/N of it.
-ZeRO-2 (Rajbhandari et al. 2020, "P_os+g") never does: backward fills 03's buckets, each full
-bucket is reduce-scattered at once, while backward goes on, and a rank keeps only its slice of
-each bucket's averaged gradient. A bucket's full buffer is freed once its reduce-scatter is
-done, so gradients take 2 Psi / N bytes plus the buckets in flight (the summary prints the peak
-beside that bound; the default GPT is two buckets: --bucket-mb 0.25 makes it many). The step
-and its all-gather are 04's, bucket by bucket: 2 Psi (N-1)/N elements per rank per step.
+ZeRO-2 ("P_os+g": the gradients partitioned too) never does: backward fills 03's buckets, each
+full bucket is reduce-scattered at once, while backward goes on, and a rank keeps only its slice
+of each bucket's averaged gradient. A bucket's full buffer is freed once its reduce-scatter is
+done, so gradients take 2 Psi / N bytes in bf16 plus the buckets in flight (the summary prints
+the peak beside that bound; the default GPT is two buckets: --bucket-mb 0.25 makes it many).
+The step and its all-gather are 04's, bucket by bucket: 2 Psi (N-1)/N elements per rank per step.
 
 With --grad-accum K it reduce-scatters at every micro-step (as DeepSpeed stage 2 and FSDP2 do by
-default) and adds my slice into my gradient shard: K reduce-scatters a step. In bf16, micro-steps'
-gradients add up in fp32, never in bf16: the shard they add into is fp32.
+default) and adds my slice into my gradient shard: K reduce-scatters a step, not one. In bf16,
+micro-steps' gradients add up in fp32, never in bf16: the shard they add into is fp32.
 
     python 05_zero2.py                                       # one process (world size 1)
     torchrun --nproc_per_node=2 05_zero2.py                  # 2 ranks on CPU (gloo)
@@ -68,7 +68,7 @@ class ZeRO2Optimizer(ddp.GradientSync, ZeROOptimizer):
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, p):
-        if self.require_backward_grad_sync:  # (else p.grad keeps the sum, in fp32 where it has 2 bytes)
+        if self.require_backward_grad_sync:  # (else p.grad keeps the sum: FP32Accumulation's in bf16)
             ddp.at_end_of_backward(self, self.grad_buckets.finish)  # at its end: launch the rest, wait for all
             self.grad_buckets.ready(p)
 
@@ -98,6 +98,7 @@ class ZeRO2Optimizer(ddp.GradientSync, ZeROOptimizer):
 
     def zero_grad(self, set_to_none=True):  # either way: the gradients are my shards, not p.grad
         self.grad_shards = [None] * len(self.grad_shards)  # the next backward's slices start them
+        self.grad_accumulation.reset()  # (as 04)
 
 
 # ----------------------------------------------------------------------------- training
@@ -105,8 +106,9 @@ def main(argv=None):
     args = common.parse_args(argv, description=__doc__)
     env = common.init_distributed(args)
     model = common.build_model(args, env)
-    optimizer = ZeRO2Optimizer(optimizers.decay_groups(model, args.weight_decay),  # (weight decay: matrices only)
-                               torch.optim.AdamW, bucket_cap_mb=args.bucket_mb, grad_clip=args.grad_clip,
+    # weight decay on matrices and embeddings only (optimizers.decay_groups, as nanoGPT)
+    optimizer = ZeRO2Optimizer(optimizers.decay_groups(model, args.weight_decay), torch.optim.AdamW,
+                               bucket_cap_mb=args.bucket_mb, grad_clip=args.grad_clip,
                                bucket_order=model.parameters(),  # bucket 0 = the last layers: fills first
                                **optimizers.adamw_kwargs(args))
     scaler = loss_scale.LossScaler(env.device, enabled=args.precision == "fp16", init_scale=args.loss_scale)
@@ -120,11 +122,12 @@ def main(argv=None):
         with run.step(step) as losses:
             optimizers.set_learning_rate(optimizer, args, step)  # --lr-schedule, first (as nanoGPT)
             for micro in range(args.grad_accum):
-                optimizer.set_requires_gradient_sync(args.reduce_every == "micro" or micro == args.grad_accum - 1)  # step: 1) at the last
+                # --reduce-every step: reduce-scatter at the last micro-step only (docs/flags.md)
+                optimizer.set_requires_gradient_sync(args.reduce_every == "micro" or micro == args.grad_accum - 1)
                 x, y = get_batch(args, env, step, micro)
                 loss = model(x, y) / args.grad_accum
                 scaler.scale(loss).backward()  # 1) each bucket is reduce-scattered as soon as it is
-                losses.append(loss)  # full, every micro-step (no full gradient is kept); waited for at its end
+                losses.append(loss)  # full (when syncing), then freed; waited for at backward's end
             # (fp16: unscaled in my shards, in fp32; an inf or NaN in any rank's shards: every rank skips 2))
             scaler.step(optimizer)  # 2) AdamW on my shards  3) all-gather, bucket by bucket
             scaler.update()

@@ -1,6 +1,6 @@
 """Lesson 06: ZeRO-3. Shard the parameters too: gather each unit just in time, free it after.
 
-ZeRO-2 (05) keeps every parameter on every rank; ZeRO-3 ("P_os+g+p"; PyTorch's FSDP) divides
+ZeRO-2 (05) keeps every parameter on every rank; ZeRO-3 ("P_os+g+p": the parameters too; PyTorch's FSDP) divides
 them too. The model is cut into units (each block, and a root: embeddings, final norm), each one
 flat buffer cut into N shards (lessonkit/flat_units.py). Rank r keeps shard r of every unit;
 the whole unit, which the module's parameters view, exists only while it computes:

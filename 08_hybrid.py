@@ -22,7 +22,7 @@ traffic). MiCS (Zhang et al. 2022) is this grid.
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 08_hybrid.py                 # G = 8, run on each node
 
-PyTorch: FSDP2 `fully_shard` over a 2-D mesh (R, G) (FSDP1: HYBRID_SHARD); DeepSpeed: MiCS.
+PyTorch: FSDP2 `fully_shard` on a DeviceMesh shaped as this grid (FSDP1: HYBRID_SHARD); DeepSpeed: MiCS.
 """
 import functools
 import importlib

@@ -61,7 +61,8 @@ class BucketManager:
     launch          launch(bucket) -> async work handle: the collective, chosen by the user
     grads_as_views  True (03, 04): each `p.grad` IS a view of its bucket's buffer, allocated once,
                     so autograd accumulates straight into the buffer, no copies (from a
-                    parameter's first gradient on, as DDP's gradient_as_bucket_view).
+                    parameter's first gradient on, as DDP's gradient_as_bucket_view; 04, which
+                    never calls ready(), makes them views itself).
                     False (05): the buffer exists only while the bucket is in flight;
                     `ready(p)` copies p.grad into it and drops p.grad.
     pad_to          pad every bucket to a multiple of this (the world size for reduce-scatter)

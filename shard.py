@@ -2,9 +2,10 @@
 my shard of the flat parameters, the reduce-scatter that brings my shard of the gradient, the
 optimizer step on my shard and the all-gather that brings everyone's update back.
 
-ZeROOptimizer holds all of it but when to reduce-scatter. A subclass builds `grad_buckets`, 03's
-buckets padded to a multiple of N, with `_reduce_scatter` as their launch: 04 one bucket in step(),
-05 many during backward.
+ZeROOptimizer holds all of it; a subclass says when to reduce-scatter and what a step keeps. It
+builds `grad_buckets`, 03's buckets padded to a multiple of N, with `_reduce_scatter` as their
+launch (04: one bucket, in step(); 05: many, during backward, each freed), and writes `step()`
+and `zero_grad()`.
 
 A rank keeps optimizer state for its shard alone: fp32 master weights of the shard (in fp32 the
 shard is its own master) and a real torch.optim optimizer over them (ShardOptimizer), so Adam's
@@ -21,7 +22,7 @@ from lessonkit import ddp, optimizers, reshard
 class ZeROOptimizer(torch.optim.Optimizer):
     """04's and 05's torch.optim.Optimizer, shaped like PyTorch's `ZeroRedundancyOptimizer(params,
     optimizer_class, **defaults)` and used where a loop used that and DDP: it reduces the gradients
-    itself (ZeroRedundancyOptimizer leaves them to DDP's all-reduce). Their arguments:
+    itself (ZeroRedundancyOptimizer leaves them to DDP's all-reduce). 04's and 05's arguments:
 
     params            the model's parameters; the trainable ones are moved into flat buffers (one
                       per bucket) that they view from then on (frozen ones stay where they are)
@@ -80,8 +81,8 @@ class ZeROOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _reduce_scatter(self, bucket):
         """BucketManager's launch(bucket): start the reduce-scatter of a full bucket. It sends
-        Psi (N-1)/N elements, half an all-reduce (which then a slice would waste): with the
-        all-gather, exactly one all-reduce, 01's bytes. (Divide first, then SUM, as in 01.)"""
+        numel_padded (N-1)/N elements, half of 01's all-reduce of the same gradients, and leaves me
+        my slice alone; with the all-gather, 01's bytes. (Divide first, then SUM, as in 01.)"""
         # ### BEGIN SOLUTION: 1) reduce-scatter a full bucket
         # GOAL: start, without blocking, the collective that leaves my slice (numel_padded / N
         #       elements) of the bucket's global-batch mean gradient in a new tensor of the bucket's
@@ -94,8 +95,8 @@ class ZeROOptimizer(torch.optim.Optimizer):
         # ### END SOLUTION
 
     def _keep_my_shard(self, bucket):
-        """BucketManager's on_done(bucket): keep my slice (04: the bucket stays whole for the next
-        step; 05 frees it)."""
+        """BucketManager's on_done(bucket): keep my slice; the bucket stays whole (05 replaces
+        this: it adds up micro-steps' slices and frees the bucket)."""
         self.grad_shards[bucket.index] = self.grad_shards_in_flight.pop(bucket.index)
 
     @torch.no_grad()
@@ -199,7 +200,8 @@ class ShardOptimizer:
 
 def _master_shard(params, start, numel):
     """fp32 master weights for elements start .. start + numel of `params` laid back to back in one
-    flat buffer (padding: 0), each from master_weights(p): all hand theirs over, so none stays held."""
+    flat buffer (padding: 0), each from master_weights(p), which hands over (and forgets) p's fp32
+    copy: no whole-model fp32 copy stays held beside my shard's."""
     out = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
     offset = 0
     for p in params:
