@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from lessonkit import lifecycle
 from scripts.learn.results import machine, write_section
 from scripts.runs import Parser, load_lesson, tool_main
 
@@ -121,7 +122,7 @@ def _rank(rank, strategy, fp32, widths, steps, store_path, out):
             forward, opt = m, zero_muon([{"params": list(m.parameters()), "use_muon": True}], muon_defaults=dict(lr=LR))
         params = train(m, opt, forward, widths, rank, WORLD, steps)
     torch.save({"params": params, "inputs": inputs}, f"{out}.{rank}")  # (owners: the matrices each owns)
-    dist.destroy_process_group()
+    lifecycle.exit_process(0)  # not a return: gloo can abort in interpreter teardown (lifecycle says)
 
 
 def sharded(strategy, fp32, widths, steps=STEPS):
