@@ -14,7 +14,7 @@ from scripts.runs import ROOT, Parser, available_lessons
 
 OUT_DIR = os.path.join(ROOT, "docs", "diffs")
 # Files a lesson brings in besides itself: its diff shows them whole, as new files (03's idea
-# lives half in bucket.py, 04's in shard.py: the step on my shard).
+# lives half in bucket.py, 04's in shard.py: ZeRO's sharded optimizer).
 INTRODUCES = {"03_buckets": ["bucket"], "04_zero1": ["shard"]}
 # 07 and 08 import 06 and subclass its ZeRO3 (07 is 06 plus offload, 08 is 06 over a shard
 # group plus an all-reduce across replicas), so a diff from 06 would show 06 deleted whole: they
