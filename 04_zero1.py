@@ -37,7 +37,6 @@ class ZeRO1Optimizer(ZeROOptimizer):
                  **defaults):
         groups, frozen = optimizers.param_groups(params)  # the caller's groups, each parameter once
         self.params = [p for g in groups for p in g["params"]]
-        assert len({p.dtype for p in self.params}) == 1, "one working precision for all parameters"
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # One flat buffer for the gradients: one bucket of 03 holding them all (no cap), padded to
         # a multiple of N so it splits into N equal shards (a reduce-scatter needs equal chunks).

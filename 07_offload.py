@@ -185,14 +185,14 @@ class ZeRO3Offload(zero3.ZeRO3):
             # ### END SOLUTION
 
     def _reduced_grad(self, unit):
-        """06's, at the end of backward: my gradient shard in fp32, on the host once it landed."""
+        """06's, at the end of backward: my gradient shard, on the host once it landed."""
         if unit.download is not None:
             self._exposed(unit.download)  # backward's compute is done: the optimizer waits this long
             # the CPU reads it next: wait for the copy itself (and, the copy stream running in
             # order, for every upload queued before it: the optimizer may then write the shards)
             unit.download.synchronize()
             unit.download = None
-        return unit.grad_shard.float()
+        return super()._reduced_grad(unit)
 
     def clip_grad_norm_(self, max_norm):
         """As 06's, with the norm's one all-reduce on the device (NCCL moves no host tensors)."""

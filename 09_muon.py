@@ -97,7 +97,9 @@ class ZeROMuon(optimizers.MuonAndAdamW):
         if any(p.ndim != 2 for p in muon):
             raise ValueError("use_muon groups hold 2-D matrices only: Muon orthogonalizes matrices")
         self.rank, self.world_size, self.grad_clip, self.muon_params = dist.get_rank(), dist.get_world_size(), grad_clip, muon
-        dtype, device = self.params[0].dtype, self.params[0].device
+        (dtype, device), *others = {(p.dtype, p.device) for p in self.params}  # (list: at least one)
+        if others:  # one flat buffer has one dtype (04-05: a bucket each); a cast would be silent
+            raise ValueError(f"09 keeps every parameter in one flat buffer: one dtype and device, not {1 + len(others)}")
         self.owner = owners(self.params, muon, self.world_size)
 
         # The flat buffers, owner by owner: rank r's parameters back to back in chunk r, every chunk
@@ -126,8 +128,7 @@ class ZeROMuon(optimizers.MuonAndAdamW):
             dist.broadcast(self.flat_param, src=0)  # rank 0's weights are the truth
             for p in frozen:
                 dist.broadcast(p.data, src=0)
-        start = self.rank * self.chunk
-        self.param_chunk = self.flat_param[start:start + self.chunk]  # my chunk: whole matrices
+        self.param_chunk = self.flat_param[self.rank * self.chunk:(self.rank + 1) * self.chunk]  # mine: whole matrices
 
         # My parameters' fp32 masters, each a whole tensor of its own shape (in fp32 a second view of
         # the parameter's memory: the optimizers' .grad on it must not replace p.grad, the buffer's view).
@@ -158,10 +159,9 @@ class ZeROMuon(optimizers.MuonAndAdamW):
 
         # 2) Muon and AdamW on what I own, in fp32, clipped by the global norm (one scalar all-reduce).
         unused = self.used.unused() if self.used else ()
-        start = self.rank * self.chunk
         grad32 = grad_chunk.float()
         for p, master in self.masters.items():
-            at = self.offset[p] - start
+            at = self.offset[p] - self.rank * self.chunk  # (my chunk's first element: 0 in grad32)
             master.grad = None if p in unused else grad32[at:at + p.numel()].view_as(p)
         if unscale is None or unscale([grad32]):  # fp16: an inf or NaN in any rank's chunk skips everywhere
             if self.grad_clip > 0:

@@ -67,7 +67,8 @@ def _of_lesson(item, lesson):
     if name.startswith((f"test_{lesson}_", f"test_hidden_{lesson}")):
         return True
     ids = re.split(r"[\[\]\-]", item.name)[1:]  # a parametrized test's ids: "05", "05_zero2", "toy_05", ...
-    return name in ("test_stream_semantics.py", "test_accumulation.py", "test_cli.py", "test_model_shapes.py") and \
+    return name in ("test_stream_semantics.py", "test_accumulation.py", "test_cli.py", "test_model_shapes.py",
+                    "test_dtypes.py") and \
         any(i and of_lesson(i) for i in ids)  # (of LESSON, which the environment holds)
 
 
