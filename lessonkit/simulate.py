@@ -39,8 +39,9 @@ def check(args, lesson, fail):
             fail(f"{flag} with --simulate-world: a simulated world moves no data, so there is nothing to save or time")
     if lesson in WHOLE:
         with torch.device("meta"):
-            psi = sum(p.numel() for p in GPT(GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.d_model,
-                                                       args.n_head), seed=None).parameters())
+            config = GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
+                               d_model=args.d_model, n_head=args.n_head)
+            psi = sum(p.numel() for p in GPT(config, seed=None).parameters())
         need, have = 4 * psi * (1 if args.precision == "fp32" else 2.5), available_bytes()
         if need > have:  # its fp32 initialisation (bf16, fp16: and the working copy): before any shard exists
             fail(f"lesson {lesson} builds the whole model before it shards it, about {need / 1e9:.1f} GB at Psi = "

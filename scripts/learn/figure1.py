@@ -45,7 +45,10 @@ def in_flight(shape, n):
     """06's parameter bytes in flight at most, fp32: the root unit (embeddings, final norm), the block
     computing and the one prefetched, each padded to a multiple of N (the lesson's docstring)."""
     with torch.device("meta"):
-        gpt = GPT(GPTConfig(64, 8, *(int(shape[i]) for i in (1, 3, 5))), seed=None)
+        argv = TINY + shape
+        flags = {k.removeprefix("--").replace("-", "_"): int(v) for k, v in zip(argv[::2], argv[1::2])
+                 if k in ("--vocab-size", "--seq-len", "--n-layer", "--d-model", "--n-head")}
+        gpt = GPT(GPTConfig(**flags), seed=None)
     block = sum(p.numel() for p in gpt.blocks[0].parameters())
     root = sum(p.numel() for p in gpt.parameters()) - len(gpt.blocks) * block
     return 4 * sum(math.ceil(x / n) * n for x in (root, block, block))
